@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet():
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="session")
+def builtin_pair():
+    from specserve.models.load import load_pair
+
+    return load_pair("builtin-target", "builtin-drafter")
+
+
+@pytest.fixture(scope="session")
+def generator(builtin_pair):
+    from specserve.engine.generator import SpeculativeGenerator
+
+    return SpeculativeGenerator(builtin_pair)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dir(tmp_path_factory):
+    """A pair trained from scratch by the real builder in a few seconds."""
+    from specserve.models.build import PRESETS, build_pair
+
+    out = tmp_path_factory.mktemp("tiny-pair")
+    build_pair(out, PRESETS["tiny"], "tiny")
+    return out
+
+
+@pytest.fixture(scope="session")
+def heldout():
+    from specserve.models.corpus import heldout_prompts
+
+    return heldout_prompts(n=20)
