@@ -1,0 +1,70 @@
+"""The public request model, validated the same way by the CLI, the engine and the server.
+
+No torch here: the light client install imports it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_K = 16
+MAX_STOP_STRINGS = 8
+
+
+class SpecMode(StrEnum):
+    OFF = "off"  # plain target decoding: the baseline path
+    DRAFT = "draft"  # a draft model proposes
+    NGRAM = "ngram"  # prompt lookup proposes (q one-hot)
+
+
+class GenerationRequest(BaseModel):
+    """One generation. Either ``prompt`` (text) or ``prompt_ids`` (token ids)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = Field(None, description="prompt text")
+    prompt_ids: list[int] | None = Field(None, description="prompt as token ids")
+    max_tokens: int = Field(64, ge=1, le=1 << 16, description="tokens to generate at most")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy")
+    top_k: int = Field(0, ge=0, le=1 << 20, description="0 = off")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 = off")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="makes sampling reproducible")
+    stop: list[str] = Field(default_factory=list, description="stop strings (not emitted)")
+    spec: SpecMode = Field(SpecMode.DRAFT, description="speculation mode")
+    k: int = Field(4, ge=0, le=MAX_K, description="draft tokens per round")
+    request_id: str | None = Field(None, max_length=128)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: list[str]) -> list[str]:
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @model_validator(mode="after")
+    def _prompt(self) -> GenerationRequest:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("prompt: give exactly one of prompt or prompt_ids")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt: must not be empty")
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise ValueError("prompt_ids: must not be empty")
+        return self
+
+
+def describe_validation_error(err: Exception) -> str:
+    """One line per problem, naming the field: 'max_tokens: Input should be ...'."""
+    errors = getattr(err, "errors", None)
+    if not callable(errors):
+        return str(err)
+    parts = []
+    for e in errors():
+        field = ".".join(str(p) for p in e.get("loc", ()))
+        msg = e.get("msg", "invalid").removeprefix("Value error, ")
+        # model-level checks put the field name in the message ("prompt: must not be empty")
+        parts.append(f"{field}: {msg}" if field else msg)
+    return "; ".join(parts)

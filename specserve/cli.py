@@ -1,0 +1,309 @@
+"""The one ``specserve`` command.
+
+    specserve generate "prompt" [--spec draft --k 4 --temperature 0 ...] [--server HOST:PORT]
+    specserve serve [--port 9000]
+    specserve models build [--preset builtin|tiny|bench] [--out DIR]
+    specserve models info
+    specserve bench [--out DIR]
+
+Generated text goes to stdout only (it pipes cleanly); summaries and progress to stderr.
+Bad flags or values: a message naming what to change, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--spec", choices=["off", "draft", "ngram"], default="draft",
+                   help="speculation: off (plain decoding), draft (draft model), ngram "
+                        "(prompt lookup); default draft")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round (0-16, default 4)")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="builtin-target",
+                   help="target model: builtin-target, bench-target or a local HF checkpoint")
+    p.add_argument("--drafter", default="builtin-drafter",
+                   help="drafter model: builtin-drafter or a local HF checkpoint")
+
+
+def _request_from_args(args: argparse.Namespace, prompt: str):
+    from pydantic import ValidationError
+
+    from specserve.api import GenerationRequest, describe_validation_error
+
+    try:
+        return GenerationRequest(
+            prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+            spec=args.spec, k=args.k,
+        )
+    except ValidationError as e:
+        raise UsageError(describe_validation_error(e)) from None
+
+
+class UsageError(Exception):
+    pass
+
+
+def _summary(st: dict, elapsed: float) -> str:
+    tokens = st.get("output_tokens", 0)
+    rate = tokens / elapsed if elapsed > 0 else 0.0
+    ttft = st.get("ttft_s", st.get("ttft_ms", 0) / 1000)
+    line = (
+        f"[specserve] {tokens} tokens in {elapsed:.2f}s ({rate:.1f} tok/s, TTFT "
+        f"{ttft * 1000:.0f} ms) | spec={st.get('spec')} k={st.get('k')} | "
+        f"{st.get('tokens_per_round', 0):.2f} tokens/round, acceptance "
+        f"{st.get('acceptance_rate', 0):.0%} | finish={st.get('finish_reason', '')} | target "
+        f"{st.get('target_revision', '')}"
+    )
+    if st.get("drafter_revision"):
+        line += f" drafter {st['drafter_revision']}"
+    if st.get("speculation_disabled_reason"):
+        line += f" | speculation off: {st['speculation_disabled_reason']}"
+    return line
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    import time
+
+    from specserve.client import Client, SpecServeError
+
+    t0 = time.perf_counter()
+    stats: dict = {}
+    finish = ""
+    try:
+        with Client(args.server, timeout=args.timeout) as client:
+            for chunk in client.stream(
+                args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                spec=args.spec, k=args.k,
+            ):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                stats = chunk.stats or stats
+                finish = chunk.finish_reason or finish
+    except SpecServeError as e:
+        print(f"specserve generate: error: {e.code.name}: {e.details}", file=sys.stderr)
+        return EXIT_USAGE if e.code.name in ("INVALID_ARGUMENT", "OUT_OF_RANGE") else 1
+    sys.stdout.write("\n")
+    print(_summary({**stats, "finish_reason": finish}, time.perf_counter() - t0),
+          file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    req = _request_from_args(args, args.prompt)
+    if args.server:
+        return _generate_remote(args)
+    _quiet_libraries()
+    from specserve.engine.generator import RequestError, SpeculativeGenerator
+    from specserve.models.load import IncompatiblePairError, load_pair
+
+    try:
+        pair = load_pair(args.target, args.drafter if req.spec == "draft" else None)
+    except (IncompatiblePairError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    gen = SpeculativeGenerator(pair)
+    stats = None
+    try:
+        for chunk in gen.stream(req):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            stats = chunk.stats or stats
+    except RequestError as e:
+        raise UsageError(str(e)) from None
+    sys.stdout.write("\n")
+    print(_summary(stats.to_dict(), stats.total_s), file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    config: dict = {}
+    if args.config:
+        import yaml
+
+        try:
+            config = yaml.safe_load(Path(args.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise UsageError(f"--config {args.config}: {e}") from None
+    config.setdefault("target", args.target)
+    config.setdefault("drafter", None if args.drafter == "none" else args.drafter)
+    from pydantic import ValidationError
+
+    from deployments.config import AppConfig
+    from specserve.api import describe_validation_error
+
+    try:
+        AppConfig.model_validate(config)
+    except ValidationError as e:
+        raise UsageError(f"config: {describe_validation_error(e)}") from None
+    _quiet_libraries()
+    from deployments.local import APP_NAME, start_local
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"[specserve] starting Ray and the deployments (target {config['target']}, drafter "
+          f"{config['drafter']}) ...", file=sys.stderr)
+    service = start_local(config, port=args.port, num_cpus=args.num_cpus)
+    print(f"[specserve] serving gRPC on {service.grpc_address} (application '{APP_NAME}', "
+          f"journal {service.redis_url or 'off'}); Ctrl-C to stop", file=sys.stderr)
+    print(service.grpc_address, flush=True)
+    try:
+        stop.wait()
+    finally:
+        print("[specserve] shutting down", file=sys.stderr)
+        service.stop()
+    return 0
+
+
+def cmd_models_build(args: argparse.Namespace) -> int:
+    from specserve.models.load import BUILTIN, default_home
+
+    if args.preset == "bench":
+        from specserve.models.widen import build_bench_pair
+
+        out = Path(args.out) if args.out else default_home() / "models" / "bench"
+        manifest = build_bench_pair(Path(args.source or BUILTIN), out, layers=args.layers,
+                                    intermediate=args.intermediate)
+    else:
+        from specserve.models.build import PRESETS, build_pair
+
+        out = Path(args.out) if args.out else (
+            BUILTIN if args.preset == "builtin" else default_home() / "models" / args.preset)
+        cfg = PRESETS[args.preset]
+        if args.target_steps:
+            cfg = cfg.model_copy(update={"target_steps": args.target_steps})
+        if args.drafter_steps:
+            cfg = cfg.model_copy(update={"drafter_steps": args.drafter_steps})
+        _quiet_libraries()
+        manifest = build_pair(out, cfg, args.preset)
+    print(json.dumps({k: manifest[k] for k in ("target", "drafter")}, indent=2), file=sys.stderr)
+    print(out)
+    return 0
+
+
+def cmd_models_info(args: argparse.Namespace) -> int:
+    from specserve.models.load import BUILTIN
+
+    path = Path(args.path or BUILTIN) / "manifest.json"
+    if not path.exists():
+        raise UsageError(f"no manifest at {path}")
+    print(path.read_text(), end="")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    from specserve.bench.single import run_single_process_bench
+
+    if args.ks:
+        try:
+            ks = [int(x) for x in args.ks.split(",")]
+        except ValueError:
+            raise UsageError(f"--ks: expected comma-separated integers, got {args.ks!r}") from None
+    else:
+        ks = list(range(1, 9))
+    if args.prompts < 1 or args.max_tokens < 1:
+        raise UsageError("--prompts and --max-tokens must be >= 1")
+    report = run_single_process_bench(
+        target=args.target, drafter=args.drafter, ks=ks, n_prompts=args.prompts,
+        max_tokens=args.max_tokens, out_dir=Path(args.out), with_hf=not args.no_hf,
+    )
+    print(json.dumps(report["summary"], indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve", description="Exact speculative decoding: generate, build models, bench.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a generation to stdout (single process)")
+    g.add_argument("prompt", help="prompt text")
+    _add_sampling_flags(g)
+    _add_model_flags(g)
+    g.add_argument("--server", help="HOST:PORT of a running `specserve serve`: generate "
+                                    "through the gRPC client SDK instead of in this process")
+    g.add_argument("--timeout", type=float, default=120.0, help="--server: deadline (s)")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="run the distributed service on a local Ray cluster")
+    s.add_argument("--port", type=int, default=9000, help="gRPC port (default 9000)")
+    _add_model_flags(s)
+    s.add_argument("--config", help="YAML/JSON AppConfig (deployments/config.py); flags "
+                                    "fill what it leaves out")
+    s.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may use")
+    s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser("models", help="build or inspect model pairs")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    b = msub.add_parser("build", help="train a pair (builtin, tiny) or derive the bench pair")
+    b.add_argument("--preset", choices=["builtin", "tiny", "bench"], default="builtin",
+                   help="builtin: the committed ~3.6M/0.95M pair (about 15 min on 2 cores); "
+                        "tiny: seconds, for tests; bench: the cost-scaled target (seconds)")
+    b.add_argument("--out", help="output directory (default: the preset's home)")
+    b.add_argument("--target-steps", type=int, help="override training steps of the target")
+    b.add_argument("--drafter-steps", type=int, help="override training steps of the drafter")
+    b.add_argument("--source", help="bench: the trained pair to widen (default: builtin)")
+    b.add_argument("--layers", type=int, default=12, help="bench: total target layers")
+    b.add_argument("--intermediate", type=int, default=4096, help="bench: target MLP width")
+    b.set_defaults(func=cmd_models_build)
+    i = msub.add_parser("info", help="print a pair's manifest")
+    i.add_argument("path", nargs="?", help="pair directory (default: builtin)")
+    i.set_defaults(func=cmd_models_info)
+
+    bench = sub.add_parser("bench", help="single-process benchmark: spec-off vs draft vs ngram "
+                                         "vs Hugging Face generate, same run")
+    _add_model_flags(bench)
+    bench.add_argument("--ks", help="comma-separated K values for draft mode (default 1..8)")
+    bench.add_argument("--prompts", type=int, default=10, help="held-out prompts (default 10)")
+    bench.add_argument("--max-tokens", type=int, default=96, help="tokens per prompt")
+    bench.add_argument("--out", default="bench-results", help="report directory")
+    bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"specserve {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
