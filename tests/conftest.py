@@ -10,8 +10,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 @pytest.fixture(scope="session", autouse=True)
 def _quiet():
+    import torch
     import transformers
 
+    # The suite shares 2 cores with Ray replicas and subprocesses: oversubscribed OpenMP
+    # threads make every op 10x slower, one thread each is fastest.
+    torch.set_num_threads(1)
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 

@@ -21,19 +21,11 @@ from specserve.models.corpus import heldout_prompts
 from specserve.models.load import load_pair
 
 
-def _median_time(fn, reps: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
-def measure_costs(gen: SpeculativeGenerator, prompt_ids: list[int], ks: list[int]) -> dict:
-    """Median cost of one drafter step (lean, 1 token) and one target forward of n tokens."""
+def measure_costs(gen: SpeculativeGenerator, prompt_ids: list[int], ks: list[int],
+                  reps: int = 25) -> dict:
+    """Median cost of one drafter step (lean, 1 token) and of one target forward over n
+    tokens. Sizes are interleaved within each repetition so machine noise hits all alike."""
     lean = gen.lean
     ctx = prompt_ids[:64]
     cache = lean.new_cache()
@@ -51,9 +43,17 @@ def measure_costs(gen: SpeculativeGenerator, prompt_ids: list[int], ks: list[int
             sess.logits_for_block(ctx, [ctx[0]] * (n - 1))
         return run
 
-    out = {"drafter_step_s": _median_time(draft_step)}
+    fns = {"drafter_step_s": draft_step}
     for n in sorted({1, *(k + 1 for k in ks)}):
-        out[f"target_forward_{n}_s"] = _median_time(target_block(n))
+        fns[f"target_forward_{n}_s"] = target_block(n)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(reps + 1):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            if rep:  # the first repetition warms up
+                times[name].append(time.perf_counter() - t)
+    out = {name: statistics.median(ts) for name, ts in times.items()}
     out["cost_ratio_target_over_drafter"] = out["target_forward_1_s"] / out["drafter_step_s"]
     return out
 

@@ -28,7 +28,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/i
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.internal_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.proto_gen.specserve.v1.internal_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLING']._serialized_start=45

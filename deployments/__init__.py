@@ -1,0 +1,1 @@
+"""deployments: see README.md and docs/architecture.md. Thin until its issue lands."""

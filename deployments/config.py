@@ -1,0 +1,76 @@
+"""Validated configuration of the Serve application (the builder's argument)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Scaling(BaseModel):
+    """Replicas, resources and autoscaling of one deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0, description="autoscaling lower bound")
+    max_replicas: int = Field(1, ge=1, description="autoscaling upper bound")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="per-replica load the autoscaler aims at (requests for the "
+        "router, open sessions for drafter and target)")
+    num_cpus: float = Field(0.25, ge=0, description="CPUs per replica (fractional is fine)")
+    num_gpus: float = Field(0, ge=0, description="GPUs per replica")
+    accelerator_type: str | None = Field(None, description="e.g. 'L4' (cheap) or 'H100' (large)")
+    resources: dict[str, float] = Field(default_factory=dict,
+                                        description="custom Ray resources, e.g. node pools")
+    max_ongoing_requests: int = Field(1024, ge=1, description="admission bound per replica")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Scaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("max_replicas must be >= min_replicas")
+        return self
+
+    def deployment_options(self) -> dict:
+        actor: dict = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            actor["num_gpus"] = self.num_gpus
+        if self.accelerator_type:
+            actor["accelerator_type"] = self.accelerator_type
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        opts: dict = {"ray_actor_options": actor, "max_ongoing_requests":
+                      self.max_ongoing_requests}
+        if self.min_replicas == self.max_replicas:
+            opts["num_replicas"] = self.min_replicas
+        else:
+            opts["autoscaling_config"] = {
+                "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests,
+            }
+        return opts
+
+
+class AppConfig(BaseModel):
+    """Everything `specserve serve`, a Serve config file or a RayService passes to the
+    builder ``deployments.app:build_app``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field("builtin-target", description="target checkpoint (alias or path)")
+    drafter: str | None = Field("builtin-drafter", description="drafter checkpoint; None = "
+                                "n-gram and spec-off only")
+    router: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.2))
+    drafter_scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.3))
+    target_scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.5))
+    target_cache_bytes: int = Field(512 << 20, ge=1 << 16, description="KV budget per target")
+    drafter_cache_bytes: int = Field(256 << 20, ge=1 << 16, description="KV budget per drafter")
+    max_batch: int = Field(32, ge=1, le=512, description="rows per target forward")
+    batch_wait_ms: float = Field(2.0, ge=0, le=100, description="wait for more rows")
+    redis_url: str | None = Field(None, description="request journal; None = no journal")
+    bind_host: str = Field("127.0.0.1", description="address replicas' data-path gRPC "
+                           "servers bind and advertise (the pod IP on Kubernetes)")
+    max_concurrent: int = Field(256, ge=1, description="requests per router replica; beyond "
+                                "that RESOURCE_EXHAUSTED")
+    call_timeout_s: float = Field(30.0, gt=0, description="per-call deadline router->replica")
+    torch_threads: int = Field(1, ge=1, le=256, description="intra-op threads per replica "
+                               "(1 on shared CPUs: oversubscribed OpenMP threads are 10x slower)")
+    target_retries: int = Field(8, ge=0, le=20, description="reconnects to a target replica "
+                                "(backoff 0.25 s doubling to 4 s) before UNAVAILABLE")

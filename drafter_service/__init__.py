@@ -1,0 +1,1 @@
+"""drafter_service: see README.md and docs/architecture.md. Thin until its issue lands."""

@@ -1,0 +1,83 @@
+"""The drafter replica's gRPC server: a bidi ``Propose`` stream per router.
+
+Proposals run one at a time in a worker thread (a drafter step is ~0.3 ms here; batching
+drafts across sessions is future work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from drafter_service.engine import DraftEngine, ProposeItem
+from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
+from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
+from specserve.service.wire import probs_to_bytes, repair_to_proto, sampling_from_proto
+
+log = logging.getLogger(__name__)
+
+
+class DrafterServicer(pb_grpc.DrafterServicer):
+    def __init__(self, engine: DraftEngine, replica: str):
+        self.engine = engine
+        self.replica = replica
+        self.proposals = 0
+        self._lock = asyncio.Lock()
+
+    async def _propose(self, msg: pb.ProposeRequest) -> pb.ProposeReply:
+        try:
+            item = ProposeItem(
+                session_id=msg.session_id, committed_len=msg.committed_len,
+                tokens_start=msg.tokens_start, tokens=list(msg.tokens), k=msg.k,
+                mode=msg.mode or "draft", sampling=sampling_from_proto(msg.sampling))
+            async with self._lock:
+                t0 = time.perf_counter()
+                (o,) = await asyncio.to_thread(self.engine.propose, [item])
+                compute_us = int((time.perf_counter() - t0) * 1e6)
+        except Exception as e:
+            log.warning("propose failed: %s", e)
+            return pb.ProposeReply(call_id=msg.call_id, error=str(e), replica=self.replica)
+        self.proposals += 1
+        return pb.ProposeReply(
+            call_id=msg.call_id, draft_tokens=o.draft_tokens,
+            draft_probs=probs_to_bytes(o.draft_probs), cache_miss=o.cache_miss,
+            repair=repair_to_proto(o.repair), replica=self.replica, compute_us=compute_us)
+
+    async def Propose(self, request_iterator, context):
+        replies: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task] = set()
+
+        async def handle(msg: pb.ProposeRequest) -> None:
+            await replies.put(await self._propose(msg))
+
+        async def pump() -> None:
+            async for msg in request_iterator:
+                if msg.release:
+                    self.engine.release(msg.session_id)
+                    continue
+                t = loop.create_task(handle(msg))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            await asyncio.gather(*tasks)
+            await replies.put(None)
+
+        reader = loop.create_task(pump())
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+        finally:
+            reader.cancel()
+
+
+async def start_drafter_server(engine: DraftEngine, host: str = "127.0.0.1", port: int = 0,
+                               replica: str = "drafter"):
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    servicer = DrafterServicer(engine, replica)
+    pb_grpc.add_DrafterServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server, bound, servicer

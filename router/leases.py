@@ -1,0 +1,73 @@
+"""Replica leases: which drafter / target replica serves a request, and its stream.
+
+A lease pins a request's session to one replica (session affinity) and releases it at the
+end. ``ServeLeasePool`` leases through a streaming Serve call (see ``deployments/app.py``);
+``StaticPool`` leases from fixed addresses (tests and single-host setups).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from router.mux import StreamMux
+from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
+
+OPENERS = {
+    "drafter": lambda ch: pb_grpc.DrafterStub(ch).Propose,
+    "target": lambda ch: pb_grpc.TargetStub(ch).Verify,
+}
+
+
+@dataclass
+class Lease:
+    mux: StreamMux
+    _release: Callable[[], None] | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+class _MuxCache:
+    def __init__(self, kind: str):
+        self._open = OPENERS[kind]
+        self._muxes: dict[str, StreamMux] = {}
+
+    def mux(self, address: str) -> StreamMux:
+        m = self._muxes.get(address)
+        if m is None or m.broken is not None:
+            m = StreamMux(address, self._open)
+            self._muxes[address] = m
+        return m
+
+    async def close(self) -> None:
+        for m in self._muxes.values():
+            await m.close()
+        self._muxes.clear()
+
+
+class StaticPool(_MuxCache):
+    """Round-robin over fixed addresses."""
+
+    def __init__(self, kind: str, addresses: list[str]):
+        super().__init__(kind)
+        self._cycle = itertools.cycle(list(addresses))
+
+    async def acquire(self, session_id: str) -> Lease:
+        return Lease(self.mux(next(self._cycle)))
+
+
+class ServeLeasePool(_MuxCache):
+    """Leases through the deployment's streaming ``session`` method."""
+
+    def __init__(self, handle, kind: str):
+        super().__init__(kind)
+        self._handle = handle.options(stream=True)
+
+    async def acquire(self, session_id: str) -> Lease:
+        gen = self._handle.session.remote(session_id)
+        address = await gen.__anext__()
+        return Lease(self.mux(address), gen.cancel)

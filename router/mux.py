@@ -1,0 +1,88 @@
+"""One long-lived bidirectional gRPC stream per replica, shared by every request.
+
+Each round is one message each way on an already open stream (measured ~0.5 ms p50 per hop
+on loopback, vs ~1.8 ms for a unary call and ~2.5-3.9 ms through Serve handles), so the
+per-round orchestration cost stays small. Calls are paired with replies by ``call_id``.
+A broken stream fails its pending calls with ``StreamBroken``; the caller reconnects (to the
+same or another replica) and the receiver's cache repair makes the retry converge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+class StreamBroken(ConnectionError):
+    """The stream to a replica ended or failed; pending calls cannot complete on it."""
+
+
+class StreamMux:
+    def __init__(self, address: str, open_stream: Callable[[grpc.aio.Channel], Callable]):
+        """``open_stream(channel)`` returns the stub's bidi method, e.g.
+        ``lambda ch: TargetStub(ch).Verify``."""
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._call = open_stream(self._channel)(self._outgoing())
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self.broken: BaseException | None = None
+
+    async def _outgoing(self) -> AsyncIterator[Any]:
+        while True:
+            msg = await self._queue.get()
+            if msg is None:
+                return
+            yield msg
+
+    async def _read(self) -> None:
+        try:
+            async for reply in self._call:
+                fut = self._pending.pop(reply.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(reply)
+            err: BaseException = StreamBroken(f"stream to {self.address} ended")
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            err = StreamBroken(f"stream to {self.address} failed: {e}")
+        self.broken = err
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+
+    async def call(self, msg: Any, timeout: float) -> Any:
+        if self.broken is not None:
+            raise self.broken
+        msg.call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[msg.call_id] = fut
+        await self._queue.put(msg)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pending.pop(msg.call_id, None)
+
+    def send_nowait(self, msg: Any) -> None:
+        """Fire-and-forget (session release); no reply is awaited."""
+        if self.broken is None:
+            msg.call_id = 0
+            self._queue.put_nowait(msg)
+
+    async def close(self) -> None:
+        await self._queue.put(None)
+        self._reader.cancel()
+        await self._channel.close()

@@ -1,0 +1,1 @@
+"""Shared pieces of the drafter / target / router services (no Ray imports)."""
