@@ -170,6 +170,11 @@ class RouterDeployment:
 
         return router_stats(self.core)
 
+    def reset_stats(self) -> None:
+        from router.stats import reset_timing
+
+        reset_timing(self.core)
+
 
 def build_app(config: dict | None = None):
     """Validate ``config`` and bind the three deployments (a Serve ``import_path``)."""

@@ -154,7 +154,7 @@ class RouterCore:
         committed = list(prompt)
         out_tokens: list[int] = []
         ttft = 0.0
-        propose_s = verify_s = 0.0
+        propose_s = verify_s = round_s = d_compute_s = t_compute_s = 0.0
 
         # Resume from the journal (client retry with the same request id).
         journaled, done = await self.journal.load(request_id)
@@ -231,16 +231,20 @@ class RouterCore:
                 self.timing.round_s.append(time.perf_counter() - tr)
                 self.timing.drafter_compute_s.append(d_compute)
                 self.timing.target_compute_s.append(reply.compute_us / 1e6)
+                round_s += self.timing.round_s[-1]
+                d_compute_s += d_compute
+                t_compute_s += reply.compute_us / 1e6
                 if ttft == 0.0:
                     ttft = time.perf_counter() - t0
                 if finish is None:
                     yield RouterChunk(text, list(new))
                 else:
                     await self.journal.finish(request_id, finish)
-                    yield RouterChunk(text + detok.flush(), list(new), finish,
-                                      self._stats(stats, prompt, out_tokens, ttft, t0, spec,
-                                                  req.k, disabled_reason, seed, propose_s,
-                                                  verify_s))
+                    st = self._stats(stats, prompt, out_tokens, ttft, t0, spec, req.k,
+                                     disabled_reason, seed, propose_s, verify_s)
+                    st.update(round_s=round_s, drafter_compute_s=d_compute_s,
+                              target_compute_s=t_compute_s)
+                    yield RouterChunk(text + detok.flush(), list(new), finish, st)
             if journaled and done is not None:  # the whole answer came from the journal
                 yield RouterChunk(detok.text + detok.flush(), list(journaled), finish,
                                   self._stats(stats, prompt, out_tokens, ttft, t0, spec, req.k,

@@ -2,6 +2,7 @@
 
     specserve generate "prompt" [--spec draft --k 4 --temperature 0 ...] [--server HOST:PORT]
     specserve serve [--port 9000]
+    specserve demo "prompt"        (start the service, generate through it, stop)
     specserve models build [--preset builtin|tiny|bench] [--out DIR]
     specserve models info
     specserve bench [--out DIR]
@@ -140,6 +141,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Start the service on a local Ray cluster, stream one generation through the gRPC
+    SDK, print the summary, stop."""
+    import socket
+    import time
+
+    req = _request_from_args(args, args.prompt)
+    del req  # validated; the server validates again
+    _quiet_libraries()
+    from deployments.local import start_local
+    from specserve.client import Client
+
+    port = args.port
+    if port == 0:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    print("[specserve] starting a local Ray cluster with the Router, Drafter and Target "
+          "deployments (built-in pair, embedded Redis) ...", file=sys.stderr)
+    t0 = time.perf_counter()
+    service = start_local({}, port=port)
+    print(f"[specserve] serving gRPC on {service.grpc_address} after "
+          f"{time.perf_counter() - t0:.0f}s; generating through the SDK:", file=sys.stderr)
+    try:
+        t1 = time.perf_counter()
+        stats, finish = {}, ""
+        with Client(service.grpc_address, timeout=300) as client:
+            for chunk in client.stream(
+                args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                spec=args.spec, k=args.k,
+            ):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                stats, finish = chunk.stats or stats, chunk.finish_reason or finish
+        sys.stdout.write("\n")
+        print(_summary({**stats, "finish_reason": finish}, time.perf_counter() - t1),
+              file=sys.stderr)
+    finally:
+        service.stop()
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -221,8 +265,30 @@ def cmd_models_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(flag: str, value: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated integers, got {value!r}") from None
+    if any(x < 0 for x in out):
+        raise UsageError(f"{flag}: values must be >= 0")
+    return out
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     _quiet_libraries()
+    if args.service or args.server:
+        from specserve.bench.service import run_service_bench, summarize
+
+        conc = _int_list("--concurrency", args.concurrency)
+        if not conc or min(conc) < 1:
+            raise UsageError("--concurrency: levels must be >= 1")
+        report = run_service_bench(
+            args.server, args.target, args.drafter, conc,
+            _int_list("--ks", args.ks) if args.ks else [2, 4], args.max_tokens,
+            Path(args.out), requests_per_level=args.prompts)
+        print(json.dumps(summarize(report), indent=1))
+        return 0
     from specserve.bench.single import run_single_process_bench
 
     if args.ks:
@@ -256,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=120.0, help="--server: deadline (s)")
     g.set_defaults(func=cmd_generate)
 
+    d = sub.add_parser("demo", help="start the service locally, generate through it, stop")
+    d.add_argument("prompt", help="prompt text")
+    _add_sampling_flags(d)
+    d.add_argument("--port", type=int, default=0, help="gRPC port (default: a free one)")
+    d.set_defaults(func=cmd_demo)
+
     s = sub.add_parser("serve", help="run the distributed service on a local Ray cluster")
     s.add_argument("--port", type=int, default=9000, help="gRPC port (default 9000)")
     _add_model_flags(s)
@@ -281,14 +353,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path", nargs="?", help="pair directory (default: builtin)")
     i.set_defaults(func=cmd_models_info)
 
-    bench = sub.add_parser("bench", help="single-process benchmark: spec-off vs draft vs ngram "
-                                         "vs Hugging Face generate, same run")
+    bench = sub.add_parser("bench", help="benchmarks, baselines in the same run: single process "
+                                         "(default) or the service (--service / --server)")
     _add_model_flags(bench)
     bench.add_argument("--ks", help="comma-separated K values for draft mode (default 1..8)")
     bench.add_argument("--prompts", type=int, default=10, help="held-out prompts (default 10)")
     bench.add_argument("--max-tokens", type=int, default=96, help="tokens per prompt")
     bench.add_argument("--out", default="bench-results", help="report directory")
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
+    bench.add_argument("--server", help="HOST:PORT: benchmark a running service through the SDK")
+    bench.add_argument("--service", action="store_true",
+                       help="start a local service (Ray) and benchmark it through the SDK; run "
+                            "it in a loopback-only network namespace (see README)")
+    bench.add_argument("--concurrency", default="1,4,16",
+                       help="service bench: closed-loop concurrency levels (default 1,4,16)")
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -105,7 +105,8 @@ def stats_to_proto(stats: Mapping[str, Any] | Any) -> pb.GenerateStats:
     for name in _STR_STATS:
         if d.get(name) is not None:
             setattr(msg, name, str(d[name]))
-    for name in ("ttft", "total"):
+    for name in ("ttft", "total", "round", "propose", "verify", "drafter_compute",
+                 "target_compute"):
         if d.get(f"{name}_ms") is not None:
             setattr(msg, f"{name}_ms", float(d[f"{name}_ms"]))
         elif d.get(f"{name}_s") is not None:

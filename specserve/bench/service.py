@@ -1,0 +1,213 @@
+"""Benchmark of the distributed service through the client SDK (closed loop).
+
+Per concurrency level and configuration (spec-off, draft mode at each K, ngram), in one run:
+aggregate and per-request tokens/s, TTFT, inter-token latency, end-to-end latency, accepted
+tokens per round, and the per-round time split (propose / verify / orchestration overhead).
+At concurrency 1 the single-process engine runs the same prompts in the same run, so the
+service's speedup can be compared with the engine's. Greedy outputs of every configuration
+are compared with spec-off automatically.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from specserve.client import Client, SpecServeError
+from specserve.models.corpus import heldout_prompts
+
+
+def _pct(values, q) -> float:
+    return round(float(np.percentile(values, q)), 3) if len(values) else 0.0
+
+
+def _one(client: Client, prompt: str, cfg: dict, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first = None
+    last = t0
+    itl: list[float] = []
+    tokens: list[int] = []
+    stats: dict = {}
+    for chunk in client.stream(prompt, max_tokens=max_tokens, **cfg):
+        now = time.perf_counter()
+        if chunk.token_ids:
+            if first is None:
+                first = now - t0
+            else:
+                itl.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+            last = now
+        tokens.extend(chunk.token_ids)
+        stats = chunk.stats or stats
+    total = time.perf_counter() - t0
+    return {"tokens": tokens, "ttft": first or total, "itl": itl, "latency": total,
+            "stats": stats}
+
+
+def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_requests: int,
+           max_tokens: int, bar) -> dict:
+    lock = threading.Lock()
+    nxt = iter(range(n_requests))
+    results: list[dict | None] = [None] * n_requests
+    errors: list[str] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                return
+            try:
+                results[i] = _one(client, prompts[i % len(prompts)], cfg, max_tokens)
+            except SpecServeError as e:
+                errors.append(f"{e.code.name}: {e.details}")
+            bar.update()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for _ in range(concurrency):
+            pool.submit(worker)
+    wall = time.perf_counter() - t0
+    done = [r for r in results if r is not None]
+    ntok = sum(len(r["tokens"]) for r in done)
+    rounds = sum(r["stats"].get("rounds", 0) for r in done) or 1
+    sums = {k: sum(r["stats"].get(f"{k}_ms", 0.0) for r in done)
+            for k in ("round", "propose", "verify", "drafter_compute", "target_compute")}
+    per_req_overhead = [
+        (r["stats"]["round_ms"] - r["stats"]["drafter_compute_ms"]
+         - r["stats"]["target_compute_ms"]) / r["stats"]["rounds"]
+        for r in done if r["stats"].get("rounds")]
+    itl = [x * 1000 for r in done for x in r["itl"]]
+    return {
+        "requests": len(done), "errors": errors,
+        "aggregate_tokens_per_s": round(ntok / wall, 2),
+        "per_request_tokens_per_s_p50": _pct([len(r["tokens"]) / r["latency"] for r in done],
+                                             50),
+        "ttft_ms_p50": _pct([r["ttft"] * 1000 for r in done], 50),
+        "ttft_ms_p99": _pct([r["ttft"] * 1000 for r in done], 99),
+        "itl_ms_p50": _pct(itl, 50), "itl_ms_p99": _pct(itl, 99),
+        "latency_ms_p50": _pct([r["latency"] * 1000 for r in done], 50),
+        "latency_ms_p99": _pct([r["latency"] * 1000 for r in done], 99),
+        "tokens_per_round": round(ntok / rounds, 3),
+        "round_ms_mean": round(sums["round"] / rounds, 3),
+        "propose_ms_mean": round(sums["propose"] / rounds, 3),
+        "verify_ms_mean": round(sums["verify"] / rounds, 3),
+        "drafter_compute_ms_mean": round(sums["drafter_compute"] / rounds, 3),
+        "target_compute_ms_mean": round(sums["target_compute"] / rounds, 3),
+        "overhead_ms_per_round_p50_over_requests": _pct(per_req_overhead, 50),
+        "overhead_ms_per_round_p99_over_requests": _pct(per_req_overhead, 99),
+        "outputs": [r["tokens"] for r in results if r is not None],
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process(target: str, drafter: str, prompts: list[str], ks: list[int],
+                    max_tokens: int) -> dict:
+    from specserve.api import GenerationRequest
+    from specserve.engine.generator import SpeculativeGenerator
+    from specserve.models.load import load_pair
+
+    gen = SpeculativeGenerator(load_pair(target, drafter))
+    out = {}
+    for name, cfg in [("off", {"spec": "off", "k": 0})] + [
+            (f"draft_k{k}", {"spec": "draft", "k": k}) for k in ks]:
+        tokens, seconds = 0, 0.0
+        for p in prompts:
+            _, ids, st = gen.generate(GenerationRequest(prompt=p, max_tokens=max_tokens, **cfg))
+            tokens += len(ids)
+            seconds += st.total_s
+        out[name] = round(tokens / seconds, 2)
+    return out
+
+
+def run_service_bench(
+    server: str | None, target: str, drafter: str, concurrency: list[int], ks: list[int],
+    max_tokens: int, out_dir: Path, requests_per_level: int = 8, ngram_k: int = 4,
+) -> dict:
+    service = None
+    router_stats = None
+    if server is None:
+        from deployments.local import start_local
+
+        service = start_local({"target": target, "drafter": drafter}, port=_free_port())
+        server = service.grpc_address
+        from ray import serve
+
+        router = serve.get_deployment_handle("Router", "specserve")
+
+        def router_stats():
+            return router.stats.remote().result()
+
+        def reset():
+            router.reset_stats.remote().result()
+    prompts = heldout_prompts(n=max(requests_per_level, max(concurrency)))
+    configs = [("off", {"spec": "off", "k": 0})]
+    configs += [(f"draft_k{k}", {"spec": "draft", "k": k}) for k in ks]
+    configs.append((f"ngram_k{ngram_k}", {"spec": "ngram", "k": ngram_k}))
+    levels: dict[str, dict] = {}
+    total = sum(max(requests_per_level, 2 * c) for c in concurrency) * len(configs)
+    bar = tqdm(total=total, desc="service bench", unit="req")
+    try:
+        with Client(server, timeout=600) as client:
+            client.generate(prompts[0], max_tokens=8)  # warm-up
+            for c in concurrency:
+                n = max(requests_per_level, 2 * c)
+                level = {}
+                for name, cfg in configs:
+                    if router_stats is not None:
+                        reset()
+                    row = _level(client, prompts, cfg, c, n, max_tokens, bar)
+                    if router_stats is not None:
+                        rs = router_stats()
+                        row["router_round_split"] = {
+                            k: rs[k] for k in ("round", "propose", "verify", "drafter_compute",
+                                               "target_compute", "orchestration_overhead")}
+                    level[name] = row
+                base = level["off"]
+                for row in level.values():
+                    row["speedup_vs_off"] = round(
+                        row["aggregate_tokens_per_s"] / base["aggregate_tokens_per_s"], 3)
+                    row["greedy_mismatches_vs_off"] = sum(
+                        a != b for a, b in zip(row["outputs"], base["outputs"], strict=False))
+                levels[str(c)] = level
+        bar.close()
+        single = None
+        if 1 in concurrency:
+            single = _single_process(target, drafter, prompts[:requests_per_level], ks,
+                                     max_tokens)
+            one = levels["1"]
+            for k in ks:
+                s_speed = single[f"draft_k{k}"] / single["off"]
+                svc = one[f"draft_k{k}"]["speedup_vs_off"]
+                one[f"draft_k{k}"]["single_process_speedup"] = round(s_speed, 3)
+                one[f"draft_k{k}"]["fraction_of_single_process_speedup"] = round(
+                    svc / s_speed, 3)
+    finally:
+        if service is not None:
+            service.stop()
+    report = {
+        "benchmark": "distributed service, closed loop, greedy, through the SDK",
+        "server": server if service is None else "started by the bench (local Ray)",
+        "pair": {"target": target, "drafter": drafter},
+        "max_tokens": max_tokens, "levels": levels, "single_process_tokens_per_s": single,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "service.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def summarize(report: dict) -> dict:
+    """The report without the outputs, for printing."""
+    return {c: {name: {k: v for k, v in row.items() if k != "outputs"}
+                for name, row in level.items()} for c, level in report["levels"].items()}
