@@ -21,6 +21,9 @@ class Scaling(BaseModel):
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom Ray resources, e.g. node pools")
     max_ongoing_requests: int = Field(1024, ge=1, description="admission bound per replica")
+    max_queued_requests: int = Field(
+        1024, ge=1, description="bound on requests Serve queues for this deployment; beyond "
+        "it callers get RESOURCE_EXHAUSTED / back-pressure (memory never grows unbounded)")
 
     @model_validator(mode="after")
     def _bounds(self) -> Scaling:
@@ -36,8 +39,9 @@ class Scaling(BaseModel):
             actor["accelerator_type"] = self.accelerator_type
         if self.resources:
             actor["resources"] = dict(self.resources)
-        opts: dict = {"ray_actor_options": actor, "max_ongoing_requests":
-                      self.max_ongoing_requests}
+        opts: dict = {"ray_actor_options": actor,
+                      "max_ongoing_requests": self.max_ongoing_requests,
+                      "max_queued_requests": self.max_queued_requests}
         if self.min_replicas == self.max_replicas:
             opts["num_replicas"] = self.min_replicas
         else:
@@ -74,3 +78,7 @@ class AppConfig(BaseModel):
                                "(1 on shared CPUs: oversubscribed OpenMP threads are 10x slower)")
     target_retries: int = Field(8, ge=0, le=20, description="reconnects to a target replica "
                                 "(backoff 0.25 s doubling to 4 s) before UNAVAILABLE")
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP/gRPC endpoint the replicas send traces to, e.g. "
+        "'http://collector:4317'; None = the replicas' OTEL_* environment (tracing off "
+        "without OTEL_EXPORTER_OTLP_ENDPOINT)")

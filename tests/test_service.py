@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,19 +21,7 @@ HERE = Path(__file__).parent
 MAX_NEW = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def service():
-    from deployments.local import start_local
-
-    svc = start_local({}, port=_free_port(), num_cpus=4)
-    yield svc
-    svc.stop()
+# the session-scoped `service` fixture (a local Ray cluster + app) is in conftest.py
 
 
 def _clients(address: str, jobs: list[dict], app: str = "specserve") -> list[dict]:
@@ -234,3 +221,23 @@ def test_drafter_failure_turns_speculation_off(service, tiny_app, generator, hel
     reasons = [r["stats"]["speculation_disabled_reason"] for r in results]
     assert all(r.startswith("drafter") for r in reasons), reasons
     assert all(r["stats"]["spec"] == "off" for r in results)
+
+
+def test_cli_generate_through_server(service, greedy_refs):
+    prompts, refs = greedy_refs
+    out = subprocess.run(
+        [sys.executable, "-m", "specserve.cli", "generate", prompts[1], "--server",
+         service.grpc_address, "--max-tokens", str(MAX_NEW), "--k", "3"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "[specserve]" not in out.stdout and "[specserve]" in out.stderr
+    assert "spec=draft" in out.stderr and f"{MAX_NEW} tokens" in out.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "specserve.cli", "generate", "x", "--server",
+         service.grpc_address, "--top-p", "2"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+    )
+    assert bad.returncode == 2 and "top_p" in bad.stderr

@@ -1,0 +1,47 @@
+"""The specserve CLI in a subprocess: stdout carries only text, bad input exits 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specserve.cli", *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_generate_streams_text_only_to_stdout():
+    out = _cli("generate", "def add(a, b):", "--max-tokens", "12", "--spec", "draft", "--k", "3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "[specserve]" not in out.stdout
+    summary = out.stderr.strip().splitlines()[-1]
+    assert summary.startswith("[specserve] 12 tokens") and "tokens/round" in summary
+    assert "acceptance" in summary and "tok/s" in summary
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["generate", "x", "--top-p", "0"], "top_p"),
+        (["generate", "x", "--temperature", "-1"], "temperature"),
+        (["generate", "x", "--k", "99"], "k:"),
+        (["generate", "", "--max-tokens", "3"], "prompt"),
+        (["generate", "x", "--spec", "nope"], "invalid choice"),
+        (["generate", "x", "--max-tokens", "5000"], "max_tokens"),
+        (["generate", "x", "--drafter", "/nonexistent"], "no config.json"),
+        (["serve", "--port", "70000"], "--port"),
+        (["bench", "--ks", "a,b"], "--ks"),
+    ],
+)
+def test_bad_input_exits_2_with_a_reason(args, needle):
+    out = _cli(*args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert needle in out.stderr
+    assert out.stdout == ""
