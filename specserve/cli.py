@@ -212,12 +212,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _quiet_libraries()
     from deployments.local import APP_NAME, start_local
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     print(f"[specserve] starting Ray and the deployments (target {config['target']}, drafter "
           f"{config['drafter']}) ...", file=sys.stderr)
     service = start_local(config, port=args.port, num_cpus=args.num_cpus)
+    # After ray.init: Ray installs its own SIGTERM handler (which aborts); ours replaces it
+    # so that SIGTERM, like Ctrl-C, shuts Serve and the local cluster down cleanly.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     print(f"[specserve] serving gRPC on {service.grpc_address} (application '{APP_NAME}', "
           f"journal {service.redis_url or 'off'}); Ctrl-C to stop", file=sys.stderr)
     print(service.grpc_address, flush=True)
