@@ -200,15 +200,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"--config {args.config}: {e}") from None
     config.setdefault("target", args.target)
     config.setdefault("drafter", None if args.drafter == "none" else args.drafter)
+    if args.tp is not None:
+        config["tp_size"] = args.tp
     from pydantic import ValidationError
 
     from deployments.config import AppConfig
     from specserve.api import describe_validation_error
 
     try:
-        AppConfig.model_validate(config)
+        app_cfg = AppConfig.model_validate(config)
     except ValidationError as e:
         raise UsageError(f"config: {describe_validation_error(e)}") from None
+    if app_cfg.tp_size > 1:  # before Ray starts: a bad tp_size leaves nothing running
+        from target_service.tp import check_model_tp
+
+        try:
+            check_model_tp(app_cfg.target, app_cfg.tp_size)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--tp: {e}") from None
     _quiet_libraries()
     from deployments.local import APP_NAME, start_local
 
@@ -279,6 +288,30 @@ def _int_list(flag: str, value: str) -> list[int]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     _quiet_libraries()
+    if args.concurrency is None:
+        args.concurrency = "1,2,4,8,16,32" if args.suite else "1,4,16"
+    if args.suite:
+        from specserve.bench.suite import run_suite
+        from specserve.bench.workloads import WorkloadError, load_jsonl
+
+        levels = _int_list("--concurrency", args.concurrency)
+        if not levels or min(levels) < 1:
+            raise UsageError("--concurrency: levels must be >= 1")
+        if args.rate is not None and args.rate <= 0:
+            raise UsageError("--rate must be > 0 requests/s")
+        classes = None
+        if args.workload:
+            try:
+                classes = load_jsonl(Path(args.workload))
+            except (OSError, WorkloadError) as e:
+                raise UsageError(f"--workload: {e}") from None
+        report = run_suite(
+            args.server, args.target, args.drafter, levels,
+            _int_list("--ks", args.ks) if args.ks else [2, 4], Path(args.out), classes=classes,
+            requests_per_level=args.prompts, baselines=not args.no_hf,
+            poisson_rate=args.rate)
+        print((Path(args.out) / "summary.md").read_text())
+        return 0 if report["mismatches"]["total"] == 0 else 1
     if args.service or args.server:
         from specserve.bench.service import run_service_bench, summarize
 
@@ -336,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="YAML/JSON AppConfig (deployments/config.py); flags "
                                     "fill what it leaves out")
     s.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may use")
+    s.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel ranks per target replica (AppConfig.tp_size; "
+                        "default 1); must divide the target's attention heads")
     s.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("models", help="build or inspect model pairs")
@@ -367,8 +403,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--service", action="store_true",
                        help="start a local service (Ray) and benchmark it through the SDK; run "
                             "it in a loopback-only network namespace (see README)")
-    bench.add_argument("--concurrency", default="1,4,16",
-                       help="service bench: closed-loop concurrency levels (default 1,4,16)")
+    bench.add_argument("--concurrency", default=None,
+                       help="closed-loop concurrency levels (default: 1,4,16 for --service; "
+                            "1,2,4,8,16,32 for --suite)")
+    bench.add_argument("--suite", action="store_true",
+                       help="the adoption benchmark: workload classes x concurrency x configs "
+                            "+ HF/naive/engine baselines; report.json, outputs.jsonl, "
+                            "summary.md, plots (starts a service unless --server)")
+    bench.add_argument("--workload", help="--suite: JSONL of {prompt, max_tokens?, class?} "
+                                          "instead of the built-in classes")
+    bench.add_argument("--rate", type=float, help="--suite: also an open-loop Poisson run at "
+                                                  "this many requests/s")
     bench.set_defaults(func=cmd_bench)
     return parser
 

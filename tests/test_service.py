@@ -241,3 +241,24 @@ def test_cli_generate_through_server(service, greedy_refs):
         env={**os.environ, "PYTHONPATH": str(HERE.parent)},
     )
     assert bad.returncode == 2 and "top_p" in bad.stderr
+
+
+def test_bench_suite_tiny_end_to_end(service, tmp_path):
+    """A seconds-long suite run through the real service produces every artifact."""
+    from specserve.bench.analysis import validate_report
+    from specserve.bench.suite import run_suite
+    from specserve.bench.workloads import Prompt
+
+    classes = {"code": [Prompt("def add(a, b):\n", 6, "code"), Prompt("class A:\n", 6, "code")],
+               "prose": [Prompt("The module provides", 6, "prose")]}
+    report = run_suite(service.grpc_address, "builtin-target", "builtin-drafter", [1, 2], [2],
+                       tmp_path, classes=classes, requests_per_level=2, baseline_prompts=1)
+    assert validate_report(report) == []
+    assert report["mismatches"]["total"] == 0
+    assert set(report["classes"]) == {"code", "prose", "mixed"}
+    assert set(report["verdicts"]) == {"code", "prose", "mixed"}
+    for name in ("report.json", "outputs.jsonl", "summary.md", "speedup_vs_concurrency.png",
+                 "acceptance_per_position.png", "latency_cdf.png", "tokens_per_s_vs_k.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert "hf_assisted" in report["classes"]["code"]["baselines"]
+    assert "## code:" in (tmp_path / "summary.md").read_text()

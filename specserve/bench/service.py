@@ -51,7 +51,9 @@ def _one(client: Client, prompt: str, cfg: dict, max_tokens: int) -> dict:
 
 
 def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_requests: int,
-           max_tokens: int, bar) -> dict:
+           max_tokens: int | list[int], bar) -> dict:
+    """Closed loop: ``concurrency`` workers run ``n_requests`` requests (prompt i mod len)."""
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     lock = threading.Lock()
     nxt = iter(range(n_requests))
     results: list[dict | None] = [None] * n_requests
@@ -64,7 +66,8 @@ def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_re
             if i is None:
                 return
             try:
-                results[i] = _one(client, prompts[i % len(prompts)], cfg, max_tokens)
+                j = i % len(prompts)
+                results[i] = _one(client, prompts[j], cfg, budgets[j])
             except SpecServeError as e:
                 errors.append(f"{e.code.name}: {e.details}")
             bar.update()
@@ -102,8 +105,21 @@ def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_re
         "target_compute_ms_mean": round(sums["target_compute"] / rounds, 3),
         "overhead_ms_per_round_p50_over_requests": _pct(per_req_overhead, 50),
         "overhead_ms_per_round_p99_over_requests": _pct(per_req_overhead, 99),
-        "outputs": [r["tokens"] for r in results if r is not None],
+        "accepted_per_position": _sum_lists(
+            [r["stats"].get("accepted_per_position", []) for r in done]),
+        "drafts": sum(r["stats"].get("drafts", 0) for r in done),
+        "latencies_ms": [round(r["latency"] * 1000, 3) for r in done],
+        "outputs": [r["tokens"] if r is not None else None for r in results],
     }
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    out: list[int] = []
+    for lst in lists:
+        out.extend([0] * (len(lst) - len(out)))
+        for i, v in enumerate(lst):
+            out[i] += v
+    return out
 
 
 def _free_port() -> int:

@@ -1,0 +1,90 @@
+"""Pure pieces of the benchmark report: ideal speedup, mismatch detection, verdicts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+SCHEMA = "specserve.bench/v1"
+
+
+def ideal_speedup(tokens_per_round: float, drafter_ms_per_round: float,
+                  verify_ms_per_round: float, plain_step_ms: float) -> float:
+    """Speedup over plain decoding if nothing but the models cost time:
+    tokens per round x cost of one plain step / (drafting + verifying one round)."""
+    if tokens_per_round <= 0 or plain_step_ms <= 0:
+        raise ValueError("tokens_per_round and plain_step_ms must be > 0")
+    round_cost = drafter_ms_per_round + verify_ms_per_round
+    if round_cost <= 0:
+        raise ValueError("a round must cost something")
+    return tokens_per_round * plain_step_ms / round_cost
+
+
+def find_mismatches(outputs: Mapping[str, Sequence[Sequence[int] | None]],
+                    reference: str = "off") -> list[dict]:
+    """Greedy outputs of every configuration vs the reference configuration, per request
+    index. Returns one record per differing request (first differing position included);
+    failed requests (None) are not mismatches, they are errors counted elsewhere."""
+    ref = outputs[reference]
+    found = []
+    for name, outs in outputs.items():
+        if name == reference:
+            continue
+        for i, (a, b) in enumerate(zip(outs, ref, strict=False)):
+            if a is None or b is None or list(a) == list(b):
+                continue
+            first = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                         min(len(a), len(b)))
+            found.append({"config": name, "index": i, "first_diff": first,
+                          "len": len(a), "reference_len": len(b)})
+    return found
+
+
+def verdict(speedups_by_level: Mapping[int, Mapping[str, float]]) -> dict:
+    """Adoption advice for one workload class from speedup-vs-spec-off per level and config.
+
+    on        : the best speculative config is >= 1.1x at every level
+    low-load  : >= 1.1x at the lowest level but < 0.95x at some level (turn off when busy)
+    off       : < 1.05x even at the lowest level
+    neutral   : otherwise
+    """
+    levels = sorted(speedups_by_level)
+    configs = [c for c in speedups_by_level[levels[0]] if c != "off"]
+    best_low = max(configs, key=lambda c: speedups_by_level[levels[0]][c])
+    low = speedups_by_level[levels[0]][best_low]
+    worst = {c: min(speedups_by_level[lv][c] for lv in levels) for c in configs}
+    steady = [c for c in configs if worst[c] >= 1.1]
+    if steady:
+        best = max(steady, key=lambda c: speedups_by_level[levels[0]][c])
+        return {"verdict": "on", "config": best, "speedup_low": speedups_by_level[levels[0]][best],
+                "speedup_worst": worst[best]}
+    if low < 1.05:
+        return {"verdict": "off", "config": "off", "speedup_low": low,
+                "speedup_worst": worst[best_low]}
+    if worst[best_low] < 0.95:
+        return {"verdict": "low-load", "config": best_low, "speedup_low": low,
+                "speedup_worst": worst[best_low]}
+    return {"verdict": "neutral", "config": best_low, "speedup_low": low,
+            "speedup_worst": worst[best_low]}
+
+
+def validate_report(report: Mapping) -> list[str]:
+    """Problems with a report's shape (empty list = valid). Documented in
+    docs/benchmarks.md#report-schema."""
+    problems = []
+    for key in ("schema", "pair", "settings", "classes", "mismatches", "verdicts"):
+        if key not in report:
+            problems.append(f"missing key {key!r}")
+    if report.get("schema") != SCHEMA:
+        problems.append(f"schema is {report.get('schema')!r}, expected {SCHEMA!r}")
+    metrics = ("aggregate_tokens_per_s", "speedup_vs_off", "ttft_ms_p50", "ttft_ms_p99",
+               "itl_ms_p50", "itl_ms_p99", "latency_ms_p50", "latency_ms_p99",
+               "tokens_per_round", "errors")
+    for cls, body in (report.get("classes") or {}).items():
+        for level, configs in (body.get("levels") or {}).items():
+            if "off" not in configs:
+                problems.append(f"{cls}/{level}: no spec-off baseline")
+            for name, row in configs.items():
+                for m in metrics:
+                    if m not in row:
+                        problems.append(f"{cls}/{level}/{name}: missing {m}")
+    return problems

@@ -1,0 +1,286 @@
+"""`specserve bench --suite`: is speculation worth it, per workload class and load?
+
+Against a running service (``server``) or one it starts, through the SDK: closed-loop
+concurrency levels (optionally an open-loop Poisson rate), every workload class separately
+and mixed, configurations side by side in the same run (spec-off, draft at each K, ngram),
+plus reference points outside the service at concurrency 1 on the same pair (Hugging Face
+``generate`` plain and assisted, the naive textbook loop, the single-process engine).
+Artifacts in ``out_dir``: report.json (schema: docs/benchmarks.md#report-schema),
+outputs.jsonl (every generated output), summary.md (verdicts), and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specserve.bench.analysis import SCHEMA, find_mismatches, ideal_speedup, verdict
+from specserve.bench.service import _free_port, _level, _one, _pct
+from specserve.bench.workloads import Prompt, builtin_workloads
+from specserve.client import Client, SpecServeError
+
+
+def _configs(ks: list[int], ngram_k: int) -> list[tuple[str, dict]]:
+    out = [("off", {"spec": "off", "k": 0})]
+    out += [(f"draft_k{k}", {"spec": "draft", "k": k}) for k in ks]
+    if ngram_k:
+        out.append((f"ngram_k{ngram_k}", {"spec": "ngram", "k": ngram_k}))
+    return out
+
+
+def _open_loop(client: Client, prompts: list[Prompt], cfg: dict, rate: float, n: int,
+               seed: int = 0) -> dict:
+    """Poisson arrivals at ``rate`` requests/s; latency includes queueing."""
+    rng = random.Random(seed)
+    results: list[dict] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def run(i: int) -> None:
+        p = prompts[i % len(prompts)]
+        try:
+            r = _one(client, p.text, cfg, p.max_tokens)
+            with lock:
+                results.append(r)
+        except SpecServeError as e:
+            errors.append(e.code.name)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        t = 0.0
+        for i in range(n):
+            t += rng.expovariate(rate)
+            delay = t0 + t - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            pool.submit(run, i)
+    wall = time.perf_counter() - t0
+    ntok = sum(len(r["tokens"]) for r in results)
+    return {"rate_rps": rate, "requests": len(results), "errors": errors,
+            "aggregate_tokens_per_s": round(ntok / wall, 2),
+            "latency_ms_p50": _pct([r["latency"] * 1000 for r in results], 50),
+            "latency_ms_p99": _pct([r["latency"] * 1000 for r in results], 99),
+            "ttft_ms_p50": _pct([r["ttft"] * 1000 for r in results], 50)}
+
+
+def _add_derived(level: dict[str, dict], plain_step_ms: float | None) -> None:
+    base = level["off"]
+    for name, row in level.items():
+        row["speedup_vs_off"] = round(
+            row["aggregate_tokens_per_s"] / max(base["aggregate_tokens_per_s"], 1e-9), 3)
+        drafts = row.get("drafts") or 0
+        row["acceptance_per_position"] = [round(a / drafts, 4) if drafts else 0.0
+                                          for a in row.get("accepted_per_position", [])]
+        if name != "off" and plain_step_ms:
+            ideal = ideal_speedup(row["tokens_per_round"], row["drafter_compute_ms_mean"],
+                                  row["target_compute_ms_mean"], plain_step_ms)
+            row["ideal_speedup"] = round(ideal, 3)
+            row["efficiency"] = round(row["speedup_vs_off"] / ideal, 3)
+
+
+def run_suite(server: str | None, target: str, drafter: str, levels: list[int], ks: list[int],
+              out_dir: Path, classes: dict[str, list[Prompt]] | None = None,
+              requests_per_level: int = 8, ngram_k: int = 4, baselines: bool = True,
+              baseline_prompts: int = 3, poisson_rate: float | None = None,
+              app_config: dict | None = None) -> dict:
+    classes = classes or builtin_workloads(max(requests_per_level, 4))
+    classes = {**classes, "mixed": [p for ps in classes.values() for p in ps[::2]]}
+    configs = _configs(ks, ngram_k)
+    service = None
+    if server is None:
+        from deployments.local import start_local
+
+        service = start_local({"target": target, "drafter": drafter, **(app_config or {})},
+                              port=_free_port())
+        server = service.grpc_address
+    n_req = {c: max(requests_per_level, 2 * c) for c in levels}
+    total = sum(n_req.values()) * len(configs) * len(classes)
+    if baselines:
+        total += (4 + len(ks)) * baseline_prompts * len(classes)
+    bar = tqdm(total=total, desc="bench suite", unit="req")
+    report: dict = {"schema": SCHEMA, "classes": {}, "verdicts": {}}
+    outputs_file = []
+    try:
+        with Client(server, timeout=900) as client:
+            client.generate("import os", max_tokens=4)  # warm-up
+            for cls, prompts in classes.items():
+                texts = [p.text for p in prompts]
+                budgets = [p.max_tokens for p in prompts]
+                body: dict = {"prompts": len(prompts), "levels": {}}
+                for c in levels:
+                    level = {}
+                    for name, cfg in configs:
+                        level[name] = _level(client, texts, cfg, c, n_req[c], budgets, bar)
+                    step = level["off"]["target_compute_ms_mean"] if c == 1 else None
+                    _add_derived(level, step)
+                    outs = {name: row.pop("outputs") for name, row in level.items()}
+                    body.setdefault("mismatches", []).extend(
+                        {**m, "level": c} for m in find_mismatches(outs))
+                    for name, lst in outs.items():
+                        for i, toks in enumerate(lst):
+                            outputs_file.append({"class": cls, "level": c, "config": name,
+                                                 "index": i, "prompt_index": i % len(prompts),
+                                                 "token_ids": toks})
+                    body["levels"][str(c)] = level
+                if poisson_rate:
+                    body["open_loop"] = {name: _open_loop(client, prompts, cfg, poisson_rate,
+                                                          requests_per_level)
+                                         for name, cfg in configs}
+                report["classes"][cls] = body
+                report["verdicts"][cls] = verdict(
+                    {int(c): {n: r["speedup_vs_off"] for n, r in lv.items()}
+                     for c, lv in body["levels"].items()})
+        if baselines:
+            from specserve.bench.baselines import run_baselines
+            from specserve.engine.generator import SpeculativeGenerator
+            from specserve.models.load import load_pair
+
+            gen = SpeculativeGenerator(load_pair(target, drafter))
+            for cls, prompts in classes.items():
+                sub = [(p.text, p.max_tokens) for p in prompts[:baseline_prompts]]
+                base = run_baselines(gen, sub, ks, bar)
+                mism = find_mismatches({k: v["outputs"] for k, v in base.items()},
+                                       reference="engine_off")
+                off = base["engine_off"]["tokens_per_s"]
+                report["classes"][cls]["baselines"] = {
+                    k: {"tokens_per_s": v["tokens_per_s"],
+                        "vs_engine_off": round(v["tokens_per_s"] / off, 3)}
+                    for k, v in base.items()}
+                report["classes"][cls]["baseline_mismatches"] = mism
+    finally:
+        bar.close()
+        if service is not None:
+            service.stop()
+    report["pair"] = {"target": target, "drafter": drafter}
+    report["settings"] = {"levels": levels, "ks": ks, "ngram_k": ngram_k,
+                          "requests_per_level": n_req, "poisson_rate": poisson_rate,
+                          "server": "started by the bench" if service else server}
+    report["mismatches"] = {
+        "total": sum(len(b.get("mismatches", [])) + len(b.get("baseline_mismatches", []))
+                     for b in report["classes"].values())}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    with (out_dir / "outputs.jsonl").open("w") as f:
+        for rec in outputs_file:
+            f.write(json.dumps(rec) + "\n")
+    write_plots(report, out_dir)
+    (out_dir / "summary.md").write_text(summary_markdown(report))
+    return report
+
+
+def summary_markdown(report: dict) -> str:
+    lines = ["# specserve bench: adoption summary", "",
+             f"Pair: target `{report['pair']['target']}`, drafter `{report['pair']['drafter']}`. "
+             f"Greedy outputs compared with spec-off: {report['mismatches']['total']} "
+             "mismatches.", ""]
+    for cls, body in report["classes"].items():
+        v = report["verdicts"][cls]
+        lines += [f"## {cls}: **{v['verdict']}** ({v['config']}: {v['speedup_low']:.2f}x at the "
+                  f"lowest load, {v['speedup_worst']:.2f}x at worst)", ""]
+        levels = list(body["levels"])
+        names = list(body["levels"][levels[0]])
+        lines.append("| config | " + " | ".join(f"c={c}" for c in levels) + " |")
+        lines.append("|---|" + "---|" * len(levels))
+        for n in names:
+            cells = []
+            for c in levels:
+                row = body["levels"][c][n]
+                cells.append(f"{row['speedup_vs_off']:.2f}x ({row['aggregate_tokens_per_s']:.0f} "
+                             "tok/s)")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        below = [(c, n) for c in levels for n in names
+                 if body["levels"][c][n]["speedup_vs_off"] < 0.95]
+        if below:
+            lines += ["", "Below 0.95x spec-off: " + ", ".join(f"{n} at c={c}"
+                                                               for c, n in below) +
+                      " (the target is saturated; speculation's extra verify work then costs "
+                      "more than it saves)."]
+        if "baselines" in body:
+            b = body["baselines"]
+            lines += ["", "Outside the service, concurrency 1: " + ", ".join(
+                f"{k} {v['tokens_per_s']:.1f} tok/s" for k, v in b.items())]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_plots(report: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    classes = list(report["classes"])
+    # 1. speedup vs concurrency per workload class
+    fig, axes = plt.subplots(1, len(classes), figsize=(4 * len(classes), 3.2), squeeze=False)
+    for ax, cls in zip(axes[0], classes, strict=True):
+        levels = report["classes"][cls]["levels"]
+        xs = [int(c) for c in levels]
+        for name in levels[str(xs[0])]:
+            ax.plot(xs, [levels[str(c)][name]["speedup_vs_off"] for c in xs], marker="o",
+                    label=name)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(cls)
+        ax.set_xlabel("concurrency")
+    axes[0][0].set_ylabel("tokens/s vs spec-off")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "speedup_vs_concurrency.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    # 2. acceptance per draft position (lowest level, each class, each draft config)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for cls in classes:
+        levels = report["classes"][cls]["levels"]
+        low = levels[min(levels, key=int)]
+        for name, row in low.items():
+            if name.startswith("draft") and row.get("acceptance_per_position"):
+                acc = row["acceptance_per_position"]
+                ax.plot(range(1, len(acc) + 1), acc, marker=".", label=f"{cls} {name}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | drafted)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    paths.append(out_dir / "acceptance_per_position.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    # 3. latency CDFs (mixed class, lowest and highest level)
+    mixed = report["classes"].get("mixed") or report["classes"][classes[0]]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, c in zip(axes, [min(mixed["levels"], key=int), max(mixed["levels"], key=int)],
+                     strict=True):
+        for name, row in mixed["levels"][c].items():
+            lat = sorted(row.get("latencies_ms", []))
+            if lat:
+                ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=name)
+        ax.set_title(f"end-to-end latency CDF, c={c}")
+        ax.set_xlabel("ms")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "latency_cdf.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    # 4. tokens/s vs K (lowest level)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for cls in classes:
+        levels = report["classes"][cls]["levels"]
+        low = levels[min(levels, key=int)]
+        ks = sorted(int(n.removeprefix("draft_k")) for n in low if n.startswith("draft_k"))
+        pts = [(0, low["off"]["aggregate_tokens_per_s"])] + [
+            (k, low[f"draft_k{k}"]["aggregate_tokens_per_s"]) for k in ks]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=cls)
+    ax.set_xlabel("K (0 = spec-off)")
+    ax.set_ylabel("tokens/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "tokens_per_s_vs_k.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,60 @@
+"""Pure pieces of the benchmark report."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.bench.analysis import SCHEMA, find_mismatches, ideal_speedup, validate_report, verdict
+from specserve.bench.workloads import WorkloadError, builtin_workloads, load_jsonl
+
+
+def test_ideal_speedup_arithmetic():
+    # 2.5 tokens per round; a plain step costs 20 ms; a round costs 4 ms drafting + 25 verifying
+    assert ideal_speedup(2.5, 4.0, 25.0, 20.0) == pytest.approx(2.5 * 20 / 29)
+    assert ideal_speedup(1.0, 0.0, 20.0, 20.0) == pytest.approx(1.0)  # spec-off is 1x
+    with pytest.raises(ValueError):
+        ideal_speedup(0.0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError):
+        ideal_speedup(1.0, 0.0, 0.0, 1.0)
+
+
+def test_mismatch_detector_flags_a_different_output():
+    outs = {"off": [[1, 2, 3], [4, 5], None], "draft_k2": [[1, 2, 3], [4, 6], [7]],
+            "ngram_k4": [[1, 2, 3, 9], [4, 5], [7]]}
+    found = find_mismatches(outs)
+    assert {(m["config"], m["index"], m["first_diff"]) for m in found} == {
+        ("draft_k2", 1, 1), ("ngram_k4", 0, 3)}
+    assert find_mismatches({"off": [[1]], "draft_k2": [[1]]}) == []
+
+
+def test_verdicts():
+    on = verdict({1: {"off": 1.0, "draft_k2": 1.6}, 16: {"off": 1.0, "draft_k2": 1.2}})
+    assert on["verdict"] == "on" and on["config"] == "draft_k2"
+    low = verdict({1: {"off": 1.0, "draft_k2": 1.5}, 16: {"off": 1.0, "draft_k2": 0.8}})
+    assert low["verdict"] == "low-load"
+    off = verdict({1: {"off": 1.0, "draft_k2": 0.97}, 16: {"off": 1.0, "draft_k2": 0.9}})
+    assert off["verdict"] == "off"
+
+
+def test_validate_report_finds_problems():
+    assert validate_report({"schema": "x"})  # many problems
+    ok = {"schema": SCHEMA, "pair": {}, "settings": {}, "mismatches": {}, "verdicts": {},
+          "classes": {"code": {"levels": {"1": {"draft_k2": {}}}}}}
+    problems = validate_report(ok)
+    assert "code/1: no spec-off baseline" in problems
+    assert any("missing aggregate_tokens_per_s" in p for p in problems)
+
+
+def test_workloads(tmp_path):
+    classes = builtin_workloads(3)
+    assert set(classes) == {"code-short", "code-long", "prose", "repetitive"}
+    assert all(len(v) == 3 for v in classes.values())
+    rep = classes["repetitive"][0].text
+    assert rep.split("\n\n")[-1] in rep.split("\n\n")[0]  # the tail repeats the block
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "a", "class": "x"}\n{"prompt": "b", "max_tokens": 5}\n')
+    loaded = load_jsonl(path)
+    assert loaded["x"][0].max_tokens == 64 and loaded["custom"][0].max_tokens == 5
+    path.write_text('{"prompt": ""}\n')
+    with pytest.raises(WorkloadError, match="w.jsonl:1"):
+        load_jsonl(path)
