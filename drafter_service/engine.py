@@ -12,7 +12,6 @@ the full committed list with ``tokens_start = 0``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -24,6 +23,7 @@ from specserve.core.ngram import propose_ngram
 from specserve.core.sampling import SamplingParams
 from specserve.engine.lean import LeanLlama
 from specserve.engine.sessions import DraftModelSession, RepairRecord
+from specserve.service.lru import LRUSessions
 
 _TOKEN_BYTES = 8
 ProposeMode = Literal["draft", "ngram"]
@@ -61,50 +61,23 @@ class _Session:
             self.committed)
 
 
-class DraftEngine:
+class DraftEngine(LRUSessions):
     """Draft-model and n-gram proposals for many sessions, with an LRU byte budget."""
 
     def __init__(self, lean: LeanLlama | None, cache_budget_bytes: int = 256 << 20,
                  ngram_max_n: int = 4, ngram_min_n: int = 1):
-        if cache_budget_bytes < 0:
-            raise ValueError(f"cache_budget_bytes must be >= 0, got {cache_budget_bytes}")
+        super().__init__(cache_budget_bytes)
         self.lean = lean
-        self.cache_budget_bytes = cache_budget_bytes
         self.ngram_max_n, self.ngram_min_n = ngram_max_n, ngram_min_n
         self.vocab_size = int(lean.config.vocab_size) if lean is not None else None
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # LRU, oldest first
-        self.evictions = 0
-        self.misses = 0
         self.proposals = 0
 
     # ----------------------------------------------------------------- sessions
-    def release(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
-
-    def has_session(self, session_id: str) -> bool:
-        return session_id in self._sessions
-
-    @property
-    def cache_bytes(self) -> int:
-        return sum(s.nbytes for s in self._sessions.values())
-
     def stats(self) -> dict[str, int]:
         return {
-            "sessions": len(self._sessions),
-            "bytes": self.cache_bytes,
-            "budget_bytes": self.cache_budget_bytes,
-            "evictions": self.evictions,
-            "misses": self.misses,
+            **self.lru_stats(),
             "proposals": self.proposals,
         }
-
-    def _evict(self, protect: set[str]) -> None:
-        total = self.cache_bytes
-        for sid in [s for s in self._sessions if s not in protect]:  # oldest first
-            if total <= self.cache_budget_bytes:
-                break
-            total -= self._sessions.pop(sid).nbytes
-            self.evictions += 1
 
     # ----------------------------------------------------------------- propose
     def _check(self, items: Sequence[ProposeItem]) -> None:

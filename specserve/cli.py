@@ -87,25 +87,30 @@ def _summary(st: dict, elapsed: float) -> str:
     return line
 
 
+def _stream_to_stdout(client, args: argparse.Namespace) -> tuple[dict, str]:
+    """Stream a generation through the SDK to stdout; (final stats, finish reason)."""
+    stats: dict = {}
+    finish = ""
+    for chunk in client.stream(
+        args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+        spec=args.spec, k=args.k,
+    ):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        stats, finish = chunk.stats or stats, chunk.finish_reason or finish
+    return stats, finish
+
+
 def _generate_remote(args: argparse.Namespace) -> int:
     import time
 
     from specserve.client import Client, SpecServeError
 
     t0 = time.perf_counter()
-    stats: dict = {}
-    finish = ""
     try:
         with Client(args.server, timeout=args.timeout) as client:
-            for chunk in client.stream(
-                args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                spec=args.spec, k=args.k,
-            ):
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                stats = chunk.stats or stats
-                finish = chunk.finish_reason or finish
+            stats, finish = _stream_to_stdout(client, args)
     except SpecServeError as e:
         print(f"specserve generate: error: {e.code.name}: {e.details}", file=sys.stderr)
         return EXIT_USAGE if e.code.name in ("INVALID_ARGUMENT", "OUT_OF_RANGE") else 1
@@ -166,16 +171,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"{time.perf_counter() - t0:.0f}s; generating through the SDK:", file=sys.stderr)
     try:
         t1 = time.perf_counter()
-        stats, finish = {}, ""
         with Client(service.grpc_address, timeout=300) as client:
-            for chunk in client.stream(
-                args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                spec=args.spec, k=args.k,
-            ):
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                stats, finish = chunk.stats or stats, chunk.finish_reason or finish
+            stats, finish = _stream_to_stdout(client, args)
         sys.stdout.write("\n")
         print(_summary({**stats, "finish_reason": finish}, time.perf_counter() - t1),
               file=sys.stderr)

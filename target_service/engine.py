@@ -25,7 +25,6 @@ is unknown or holds fewer than ``tokens_start`` tokens (evicted, replica restart
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from specserve.core.commit import check_tokens_window, repair_plan
 from specserve.core.sampling import SamplingParams, params_tensors
 from specserve.core.verify import one_hot_q, verify_batch
 from specserve.engine.sessions import RepairRecord
+from specserve.service.lru import LRUSessions
 
 # Tokens per session recorded in the byte accounting beside the KV (a Python int list).
 _TOKEN_BYTES = 8
@@ -159,64 +159,37 @@ class _Row:
     repair: RepairRecord
 
 
-class BatchedTarget:
+class BatchedTarget(LRUSessions):
     """Verifies draft blocks of many sessions with one target forward per call."""
 
-    def __init__(self, model: torch.nn.Module, cache_budget_bytes: int = 512 << 20):
-        if cache_budget_bytes < 0:
-            raise ValueError(f"cache_budget_bytes must be >= 0, got {cache_budget_bytes}")
+    def __init__(self, model: torch.nn.Module, cache_budget_bytes: int = 512 << 20,
+                 tp_size: int = 1):
+        """``tp_size`` > 1: ``model`` is one rank's tensor-parallel shard, which holds
+        ``num_key_value_heads / tp_size`` KV heads (see ``target_service/tp.py``)."""
+        super().__init__(cache_budget_bytes)
         cfg = model.config
         self.model = model
         self.config = cfg
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(cfg.max_position_embeddings)
         self.layers = int(cfg.num_hidden_layers)
-        self.kv_heads = int(cfg.num_key_value_heads)
+        self.kv_heads = int(cfg.num_key_value_heads) // tp_size
         self.head_dim = int(getattr(cfg, "head_dim", None)
                             or cfg.hidden_size // cfg.num_attention_heads)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.cache_budget_bytes = cache_budget_bytes
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # LRU order, oldest first
         self.forward_batches = 0
         self.rows_verified = 0
         self.max_batch_size_seen = 0
-        self.evictions = 0
-        self.misses = 0
 
     # ----------------------------------------------------------------- sessions
-    def release(self, session_id: str) -> bool:
-        """Drop a session's cache; True if it existed."""
-        return self._sessions.pop(session_id, None) is not None
-
-    def has_session(self, session_id: str) -> bool:
-        return session_id in self._sessions
-
-    @property
-    def cache_bytes(self) -> int:
-        return sum(s.nbytes for s in self._sessions.values())
-
     def stats(self) -> dict[str, int]:
         return {
-            "sessions": len(self._sessions),
-            "bytes": self.cache_bytes,
-            "budget_bytes": self.cache_budget_bytes,
-            "evictions": self.evictions,
-            "misses": self.misses,
+            **self.lru_stats(),
             "forward_batches": self.forward_batches,
             "rows_verified": self.rows_verified,
             "max_batch_size_seen": self.max_batch_size_seen,
         }
-
-    def _evict(self, protect: set[str]) -> None:
-        total = self.cache_bytes
-        if total <= self.cache_budget_bytes:
-            return
-        for sid in [s for s in self._sessions if s not in protect]:  # oldest first
-            if total <= self.cache_budget_bytes:
-                break
-            total -= self._sessions.pop(sid).nbytes
-            self.evictions += 1
 
     # ----------------------------------------------------------------- checks
     def _check(self, items: Sequence[VerifyItem]) -> None:
