@@ -32,6 +32,12 @@ def _replica_id(kind: str) -> str:
         return f"{kind}-{uuid.uuid4().hex[:8]}"
 
 
+def _setup_observability(component: str, cfg: AppConfig, replica: str) -> None:
+    from specserve.tracing import setup_tracing
+
+    setup_tracing(f"specserve-{component}", endpoint=cfg.otlp_endpoint, replica=replica)
+
+
 def _set_threads(n: int) -> None:
     import torch
 
@@ -52,6 +58,7 @@ class TargetDeployment:
     async def __init__(self, config: dict):
         from specserve.engine.quiet import quiet_libraries
         from specserve.models.load import load_model, resolve_model
+        from specserve.service.metrics import TargetBatchMetrics
         from target_service.engine import BatchedTarget
         from target_service.server import start_target_server
 
@@ -59,11 +66,23 @@ class TargetDeployment:
         cfg = AppConfig.model_validate(config)
         _set_threads(cfg.torch_threads)
         self.replica = _replica_id("target")
-        model = load_model(resolve_model(cfg.target))
-        self.engine = BatchedTarget(model, cache_budget_bytes=cfg.target_cache_bytes)
+        _setup_observability("target", cfg, self.replica)
+        self.tp = None
+        if cfg.tp_size > 1:  # this process is rank 0 of a tensor-parallel group
+            from target_service.tp import start_tp_target
+
+            sc = cfg.target_scaling
+            self.tp = await start_tp_target(
+                resolve_model(cfg.target), cfg.tp_size, cfg.bind_host, cfg.target_cache_bytes,
+                threads=cfg.torch_threads, timeout_s=cfg.tp_timeout_s, num_cpus=sc.num_cpus,
+                num_gpus=sc.num_gpus, resources=sc.resources, heartbeat_s=cfg.tp_heartbeat_s)
+            self.engine = self.tp
+        else:
+            model = load_model(resolve_model(cfg.target))
+            self.engine = BatchedTarget(model, cache_budget_bytes=cfg.target_cache_bytes)
         self.server, port, self.servicer = await start_target_server(
             self.engine, cfg.bind_host, 0, self.replica, max_batch=cfg.max_batch,
-            batch_wait_s=cfg.batch_wait_ms / 1000)
+            batch_wait_s=cfg.batch_wait_ms / 1000, prometheus=TargetBatchMetrics())
         self.address = f"{cfg.bind_host}:{port}"
         log.info("target replica %s serving verify on %s", self.replica, self.address)
 
@@ -79,6 +98,18 @@ class TargetDeployment:
     def pid(self) -> int:
         return os.getpid()
 
+    def check_health(self) -> None:
+        if self.tp is not None:
+            self.tp.check()  # a failed tensor-parallel group: Serve replaces this replica
+
+    def tp_workers(self) -> list:
+        """Ranks 1.. as Ray actor handles (tests, diagnostics); [] without TP."""
+        return list(self.tp.workers) if self.tp is not None else []
+
+    def __del__(self) -> None:
+        if getattr(self, "tp", None) is not None:
+            self.tp.close()
+
 
 @serve.deployment(name="Drafter")
 class DrafterDeployment:
@@ -93,6 +124,7 @@ class DrafterDeployment:
         cfg = AppConfig.model_validate(config)
         _set_threads(cfg.torch_threads)
         self.replica = _replica_id("drafter")
+        _setup_observability("drafter", cfg, self.replica)
         lean = LeanLlama(load_model(resolve_model(cfg.drafter))) if cfg.drafter else None
         self.engine = DraftEngine(lean, cache_budget_bytes=cfg.drafter_cache_bytes)
         self.server, port, self.servicer = await start_drafter_server(
@@ -124,9 +156,11 @@ class RouterDeployment:
         from specserve.engine.quiet import quiet_libraries
         from specserve.models.load import check_tokenizers, resolve_model
         from specserve.models.revision import model_revision
+        from specserve.service.metrics import RouterMetrics
 
         quiet_libraries()
         cfg = AppConfig.model_validate(config)
+        _setup_observability("router", cfg, _replica_id("router"))
         tpath = resolve_model(cfg.target)
         tok = AutoTokenizer.from_pretrained(tpath)
         drev = ""
@@ -147,6 +181,7 @@ class RouterDeployment:
             targets=ServeLeasePool(target, "target"),
             journal=Journal(cfg.redis_url),
             revisions=(model_revision(tpath), drev),
+            metrics=RouterMetrics(),
         )
 
     async def Generate(self, request, grpc_context=None):
@@ -175,11 +210,19 @@ class RouterDeployment:
 
         reset_timing(self.core)
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 def build_app(config: dict | None = None):
     """Validate ``config`` and bind the three deployments (a Serve ``import_path``)."""
     cfg = AppConfig.model_validate(config or {})
+    if cfg.tp_size > 1:  # fail before anything is deployed
+        from target_service.tp import check_model_tp
+
+        check_model_tp(cfg.target, cfg.tp_size)
     raw = cfg.model_dump()
-    target = TargetDeployment.options(**cfg.target_scaling.deployment_options()).bind(raw)
+    target = TargetDeployment.options(
+        **cfg.target_scaling.deployment_options(cfg.tp_size)).bind(raw)
     drafter = DrafterDeployment.options(**cfg.drafter_scaling.deployment_options()).bind(raw)
     return RouterDeployment.options(**cfg.router.deployment_options()).bind(raw, drafter, target)

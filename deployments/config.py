@@ -31,7 +31,18 @@ class Scaling(BaseModel):
             raise ValueError("max_replicas must be >= min_replicas")
         return self
 
-    def deployment_options(self) -> dict:
+    def bundle(self) -> dict[str, float]:
+        """One placement-group bundle holding what one replica (or one TP rank) needs."""
+        b: dict[str, float] = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            b["GPU"] = self.num_gpus
+        if self.accelerator_type:
+            b[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        return b
+
+    def deployment_options(self, tp_size: int = 1) -> dict:
+        """Serve options; ``tp_size`` > 1: a placement group of ``tp_size`` bundles per
+        replica (STRICT_PACK: one node), the replica in bundle 0, ranks 1.. in the others."""
         actor: dict = {"num_cpus": self.num_cpus}
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
@@ -49,6 +60,10 @@ class Scaling(BaseModel):
                 "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
                 "target_ongoing_requests": self.target_ongoing_requests,
             }
+        if tp_size > 1:
+            opts["placement_group_bundles"] = [self.bundle() for _ in range(tp_size)]
+            opts["placement_group_strategy"] = "STRICT_PACK"
+            opts["health_check_period_s"] = 1.0  # a failed group is replaced quickly
         return opts
 
 
@@ -78,6 +93,13 @@ class AppConfig(BaseModel):
                                "(1 on shared CPUs: oversubscribed OpenMP threads are 10x slower)")
     target_retries: int = Field(8, ge=0, le=20, description="reconnects to a target replica "
                                 "(backoff 0.25 s doubling to 4 s) before UNAVAILABLE")
+    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per target "
+                         "replica (one placement group of tp_size bundles, STRICT_PACK, each "
+                         "target_scaling's CPUs/GPUs); must divide the target's heads")
+    tp_timeout_s: float = Field(30.0, gt=0, le=3600, description="collective timeout of a "
+                                "tensor-parallel group: a rank silent this long fails the group")
+    tp_heartbeat_s: float = Field(2.0, gt=0, le=60, description="idle tensor-parallel groups "
+                                  "exchange a heartbeat this often (a dead rank is noticed)")
     otlp_endpoint: str | None = Field(
         None, description="OTLP/gRPC endpoint the replicas send traces to, e.g. "
         "'http://collector:4317'; None = the replicas' OTEL_* environment (tracing off "

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from router.core import Overloaded, RequestInvalid, RequestOutOfRange, RouterCore, TargetUnavailable
 from specserve.api import describe_validation_error
 from specserve.grpc_api import chunk_to_proto, request_from_proto, response_to_proto
+from specserve.tracing import context_from_metadata, tracer
 
 
 class RequestFailed(Exception):
@@ -50,10 +51,17 @@ def _request_id(request, ctx) -> str | None:
     return None
 
 
+def _parent(ctx):
+    """The client's trace context (W3C ``traceparent`` metadata), when tracing is on."""
+    if ctx is None or tracer() is None:
+        return None
+    return context_from_metadata(ctx.invocation_metadata())
+
+
 async def generate_stream(core: RouterCore, request, ctx):
     try:
         req = request_from_proto(request)
-        async for ch in core.generate(req, _request_id(request, ctx)):
+        async for ch in core.generate(req, _request_id(request, ctx), _parent(ctx)):
             yield chunk_to_proto(ch.text, ch.token_ids, ch.finish_reason, ch.stats)
     except RequestFailed:
         raise
@@ -65,7 +73,7 @@ async def generate_unary(core: RouterCore, request, ctx):
     text, ids, finish, stats = [], [], "", None
     try:
         req = request_from_proto(request)
-        async for ch in core.generate(req, _request_id(request, ctx)):
+        async for ch in core.generate(req, _request_id(request, ctx), _parent(ctx)):
             text.append(ch.text)
             ids.extend(ch.token_ids)
             finish, stats = ch.finish_reason or finish, ch.stats or stats

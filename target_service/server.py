@@ -13,15 +13,23 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
+from specserve import tracing
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
 from specserve.service.wire import probs_from_bytes, repair_to_proto, sampling_from_proto
 from target_service.engine import BatchedTarget, VerifyItem
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from specserve.service.metrics import TargetBatchMetrics
+
 log = logging.getLogger(__name__)
+_Row = tuple[pb.VerifyRequest, asyncio.Queue, "Span | None"]  # a message, its stream, its span
 
 
 @dataclass
@@ -41,13 +49,14 @@ class TargetMetrics:
 
 class TargetServicer(pb_grpc.TargetServicer):
     def __init__(self, engine: BatchedTarget, replica: str, max_batch: int = 32,
-                 batch_wait_s: float = 0.002):
+                 batch_wait_s: float = 0.002, prometheus: TargetBatchMetrics | None = None):
         self.engine = engine
         self.replica = replica
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
         self.metrics = TargetMetrics()
-        self._queue: asyncio.Queue[tuple[pb.VerifyRequest, asyncio.Queue]] = asyncio.Queue()
+        self.prometheus = prometheus  # Ray metrics (Serve deployment only)
+        self._queue: asyncio.Queue[_Row] = asyncio.Queue()
         self._active: dict[str, float] = {}  # session -> last seen (for the batching wait)
         self._batcher: asyncio.Task | None = None
 
@@ -64,7 +73,15 @@ class TargetServicer(pb_grpc.TargetServicer):
                     self._active.pop(msg.session_id, None)
                     continue
                 self._active[msg.session_id] = time.monotonic()
-                await self._queue.put((msg, replies))
+                tracer = tracing.tracer()
+                span = None
+                if tracer is not None:  # a span per row, from arrival to reply
+                    from opentelemetry.trace import SpanKind
+
+                    span = tracer.start_span(
+                        "target.verify_row", kind=SpanKind.SERVER,
+                        context=tracing.context_from_traceparent(msg.traceparent))
+                await self._queue.put((msg, replies, span))
             await replies.put(None)
 
         reader = asyncio.get_running_loop().create_task(pump())
@@ -101,9 +118,9 @@ class TargetServicer(pb_grpc.TargetServicer):
                 batch.append(self._queue.get_nowait())
             await self._serve(batch)
 
-    async def _serve(self, batch: list[tuple[pb.VerifyRequest, asyncio.Queue]]) -> None:
+    async def _serve(self, batch: list[_Row]) -> None:
         items, errors = [], {}
-        for i, (msg, _) in enumerate(batch):
+        for i, (msg, _, _) in enumerate(batch):
             try:
                 items.append(VerifyItem(
                     session_id=msg.session_id, committed_len=msg.committed_len,
@@ -118,25 +135,73 @@ class TargetServicer(pb_grpc.TargetServicer):
         outcomes = {}
         compute_us = 0
         if items:
+            fspan = _batch_span(batch, len(items)) if tracing.tracer() is not None else None
             try:
                 t0 = time.perf_counter()
                 results = await asyncio.to_thread(self.engine.verify, items)
                 compute_us = int((time.perf_counter() - t0) * 1e6)
                 outcomes = dict(zip(good, results, strict=True))
                 self.metrics.observe(len(items))
+                if fspan is not None and fspan.is_recording():
+                    fspan.set_attributes({  # rows in the forward (cache misses skip it)
+                        "specserve.batch_size": max(o.batch_size for o in results),
+                        "specserve.compute_us": compute_us})
+                if self.prometheus is not None:
+                    self.prometheus.batch(len(items), compute_us / 1e6)
             except Exception as e:  # a bad row must not take the replica down
                 log.exception("verify batch failed")
-                errors.update({i: f"verify failed: {e}" for i in good})
-        for i, (msg, replies) in enumerate(batch):
+                # "unavailable: ..." (a failed tensor-parallel group) is passed on as is: the
+                # router leases another replica and resends the tokens
+                text = str(e) if str(e).startswith("unavailable:") else f"verify failed: {e}"
+                errors.update({i: text for i in good})
+            finally:
+                if fspan is not None:
+                    fspan.end()
+        for i, (msg, replies, span) in enumerate(batch):
             if i in errors:
-                await replies.put(pb.VerifyReply(call_id=msg.call_id, error=errors[i],
-                                                 replica=self.replica))
-                continue
-            o = outcomes[i]
-            await replies.put(pb.VerifyReply(
-                call_id=msg.call_id, num_accepted=o.num_accepted, extra_token=o.extra_token,
-                bonus=o.bonus, cache_miss=o.cache_miss, repair=repair_to_proto(o.repair),
-                batch_size=o.batch_size, replica=self.replica, compute_us=compute_us))
+                reply = pb.VerifyReply(call_id=msg.call_id, error=errors[i],
+                                       replica=self.replica)
+            else:
+                o = outcomes[i]
+                reply = pb.VerifyReply(
+                    call_id=msg.call_id, num_accepted=o.num_accepted, extra_token=o.extra_token,
+                    bonus=o.bonus, cache_miss=o.cache_miss, repair=repair_to_proto(o.repair),
+                    batch_size=o.batch_size, replica=self.replica, compute_us=compute_us)
+            if span is not None:
+                _end_row_span(span, msg, reply)
+            await replies.put(reply)
+
+
+def _batch_span(batch: list[_Row], rows: int) -> Span | None:
+    """The batch forward's span: linked to every row's span (the requests it served), a child
+    of the first sampled row so it is kept exactly when some request is traced."""
+    from opentelemetry import trace
+
+    tracer = tracing.tracer()
+    spans = [s for _, _, s in batch if s is not None]
+    sampled = [s for s in spans if s.get_span_context().trace_flags.sampled]
+    if tracer is None or not sampled:
+        return None
+    return tracer.start_span(
+        "target.batch_forward", context=trace.set_span_in_context(sampled[0]),
+        links=[trace.Link(s.get_span_context()) for s in spans],
+        attributes={"specserve.rows": rows})
+
+
+def _end_row_span(span: Span, msg: pb.VerifyRequest, reply: pb.VerifyReply) -> None:
+    if span.is_recording():
+        rep = reply.repair
+        span.set_attributes({  # few (each costs); the replica id: a resource attribute
+            "specserve.drafted": len(msg.draft_tokens), "specserve.accepted": reply.num_accepted,
+            "specserve.batch_size": reply.batch_size,
+            "specserve.cache": "miss" if reply.cache_miss else "hit",
+            "specserve.rolled_back": rep.cached_before - rep.kept, "specserve.fed": rep.fed,
+            "specserve.compute_us": reply.compute_us})
+        if reply.error:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, reply.error))
+    span.end()
 
 
 async def start_target_server(engine: BatchedTarget, host: str = "127.0.0.1", port: int = 0,

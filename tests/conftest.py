@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -49,3 +50,19 @@ def heldout():
     from specserve.models.corpus import heldout_prompts
 
     return heldout_prompts(n=20)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def service():
+    """The distributed service on a local Ray cluster (shared by every service test file)."""
+    from deployments.local import start_local
+
+    svc = start_local({}, port=free_port(), num_cpus=4)
+    yield svc
+    svc.stop()

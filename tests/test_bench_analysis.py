@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.bench.analysis import SCHEMA, find_mismatches, ideal_speedup, validate_report, verdict
+from specserve.bench.analysis import (
+    SCHEMA,
+    find_mismatches,
+    ideal_speedup,
+    validate_report,
+    verdict,
+)
 from specserve.bench.workloads import WorkloadError, builtin_workloads, load_jsonl
 
 
@@ -56,5 +62,5 @@ def test_workloads(tmp_path):
     loaded = load_jsonl(path)
     assert loaded["x"][0].max_tokens == 64 and loaded["custom"][0].max_tokens == 5
     path.write_text('{"prompt": ""}\n')
-    with pytest.raises(WorkloadError, match="w.jsonl:1"):
+    with pytest.raises(WorkloadError, match=r"w\.jsonl:1"):
         load_jsonl(path)

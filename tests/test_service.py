@@ -223,7 +223,7 @@ def test_drafter_failure_turns_speculation_off(service, tiny_app, generator, hel
     assert all(r["stats"]["spec"] == "off" for r in results)
 
 
-def test_cli_generate_through_server(service, greedy_refs):
+def test_cli_generate_through_server(service, greedy_refs, builtin_pair):
     prompts, refs = greedy_refs
     out = subprocess.run(
         [sys.executable, "-m", "specserve.cli", "generate", prompts[1], "--server",
@@ -232,7 +232,8 @@ def test_cli_generate_through_server(service, greedy_refs):
         env={**os.environ, "PYTHONPATH": str(HERE.parent)},
     )
     assert out.returncode == 0, out.stderr
-    assert "[specserve]" not in out.stdout and "[specserve]" in out.stderr
+    assert out.stdout == builtin_pair.tokenizer.decode(refs[1], skip_special_tokens=True) + "\n"
+    assert "[specserve]" in out.stderr
     assert "spec=draft" in out.stderr and f"{MAX_NEW} tokens" in out.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "specserve.cli", "generate", "x", "--server",

@@ -88,7 +88,7 @@ def run_suite(server: str | None, target: str, drafter: str, levels: list[int], 
               out_dir: Path, classes: dict[str, list[Prompt]] | None = None,
               requests_per_level: int = 8, ngram_k: int = 4, baselines: bool = True,
               baseline_prompts: int = 3, poisson_rate: float | None = None,
-              app_config: dict | None = None) -> dict:
+              app_config: dict | None = None, baseline_max_tokens: int = 32) -> dict:
     classes = classes or builtin_workloads(max(requests_per_level, 4))
     classes = {**classes, "mixed": [p for ps in classes.values() for p in ps[::2]]}
     configs = _configs(ks, ngram_k)
@@ -136,6 +136,7 @@ def run_suite(server: str | None, target: str, drafter: str, levels: list[int], 
                 report["verdicts"][cls] = verdict(
                     {int(c): {n: r["speedup_vs_off"] for n, r in lv.items()}
                      for c, lv in body["levels"].items()})
+                _checkpoint(report, out_dir)
         if baselines:
             from specserve.bench.baselines import run_baselines
             from specserve.engine.generator import SpeculativeGenerator
@@ -143,7 +144,9 @@ def run_suite(server: str | None, target: str, drafter: str, levels: list[int], 
 
             gen = SpeculativeGenerator(load_pair(target, drafter))
             for cls, prompts in classes.items():
-                sub = [(p.text, p.max_tokens) for p in prompts[:baseline_prompts]]
+                # capped: the naive loop recomputes the whole prefix every round
+                sub = [(p.text, min(p.max_tokens, baseline_max_tokens))
+                       for p in prompts[:baseline_prompts]]
                 base = run_baselines(gen, sub, ks, bar)
                 mism = find_mismatches({k: v["outputs"] for k, v in base.items()},
                                        reference="engine_off")
@@ -158,7 +161,10 @@ def run_suite(server: str | None, target: str, drafter: str, levels: list[int], 
         if service is not None:
             service.stop()
     report["pair"] = {"target": target, "drafter": drafter}
+    report["complete"] = True
     report["settings"] = {"levels": levels, "ks": ks, "ngram_k": ngram_k,
+                          "baseline_prompts": baseline_prompts,
+                          "baseline_max_tokens": baseline_max_tokens,
                           "requests_per_level": n_req, "poisson_rate": poisson_rate,
                           "server": "started by the bench" if service else server}
     report["mismatches"] = {
@@ -172,6 +178,12 @@ def run_suite(server: str | None, target: str, drafter: str, levels: list[int], 
     write_plots(report, out_dir)
     (out_dir / "summary.md").write_text(summary_markdown(report))
     return report
+
+
+def _checkpoint(report: dict, out_dir: Path) -> None:
+    """Write what is measured so far (an interrupted run keeps its finished classes)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.partial.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
 def summary_markdown(report: dict) -> str:

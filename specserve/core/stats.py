@@ -3,11 +3,12 @@
     acceptance rate         = accepted_tokens / draft_tokens
     mean acceptance length  = 1 + accepted_tokens / drafts    (counts the bonus/recovered)
 
-PromQL over the exported counters:
-    rate(specserve_spec_decode_num_accepted_tokens_total[5m])
-      / rate(specserve_spec_decode_num_draft_tokens_total[5m])
-    1 + rate(specserve_spec_decode_num_accepted_tokens_total[5m])
-      / rate(specserve_spec_decode_num_drafts_total[5m])
+PromQL over the exported counters (``specserve/service/metrics.py``; Ray prefixes every
+application metric with ``ray_``):
+    sum(rate(ray_specserve_spec_decode_num_accepted_tokens_total[5m]))
+      / sum(rate(ray_specserve_spec_decode_num_draft_tokens_total[5m]))
+    1 + sum(rate(ray_specserve_spec_decode_num_accepted_tokens_total[5m]))
+      / sum(rate(ray_specserve_spec_decode_num_drafts_total[5m]))
 """
 
 from __future__ import annotations
