@@ -17,15 +17,26 @@ class IncrementalDetokenizer:
         self.text = ""  # everything decoded so far (up to a stop string)
         self.emitted = 0  # characters of self.text already released
         self.stopped = False
+        self._decoded = ""  # text of ids[:_read]
+        self._prefix = 0  # decode window start (context for the next delta)
+        self._read = 0  # ids decoded into _decoded
 
     def push(self, ids: Sequence[int]) -> str:
         """Add committed ids; return newly released text."""
         if self.stopped:
             return ""
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        # Decode only a window (vLLM's offsets): the tokens since the last clean boundary,
+        # with the previous round's tokens as context, so a round costs O(new tokens), not
+        # O(output) (~84 us at 192 tokens here, on the router's per-round path).
+        context = self.tokenizer.decode(self.ids[self._prefix : self._read],
+                                        skip_special_tokens=True)
+        window = self.tokenizer.decode(self.ids[self._prefix :], skip_special_tokens=True)
+        if window.endswith("\ufffd") or not window.startswith(context):
             return ""  # wait for the rest of a multi-byte character
+        self._decoded += window[len(context) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        text = self._decoded
         if self.stop:
             hold = max(len(s) for s in self.stop) - 1
             search_from = max(0, self.emitted - hold)
