@@ -38,6 +38,16 @@ def _setup_observability(component: str, cfg: AppConfig, replica: str) -> None:
     setup_tracing(f"specserve-{component}", endpoint=cfg.otlp_endpoint, replica=replica)
 
 
+def _node_host(cfg: AppConfig) -> str:
+    """The address this replica's data-path server binds and advertises: ``bind_host``, or
+    the address of the Ray node it runs on (never all interfaces)."""
+    if cfg.bind_host:
+        return cfg.bind_host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def _set_threads(n: int) -> None:
     import torch
 
@@ -73,7 +83,8 @@ class TargetDeployment:
 
             sc = cfg.target_scaling
             self.tp = await start_tp_target(
-                resolve_model(cfg.target), cfg.tp_size, cfg.bind_host, cfg.target_cache_bytes,
+                resolve_model(cfg.target), cfg.tp_size, _node_host(cfg),
+                cfg.target_cache_bytes,
                 threads=cfg.torch_threads, timeout_s=cfg.tp_timeout_s, num_cpus=sc.num_cpus,
                 num_gpus=sc.num_gpus, resources=sc.resources, heartbeat_s=cfg.tp_heartbeat_s)
             self.engine = self.tp
@@ -81,9 +92,9 @@ class TargetDeployment:
             model = load_model(resolve_model(cfg.target))
             self.engine = BatchedTarget(model, cache_budget_bytes=cfg.target_cache_bytes)
         self.server, port, self.servicer = await start_target_server(
-            self.engine, cfg.bind_host, 0, self.replica, max_batch=cfg.max_batch,
+            self.engine, _node_host(cfg), 0, self.replica, max_batch=cfg.max_batch,
             batch_wait_s=cfg.batch_wait_ms / 1000, prometheus=TargetBatchMetrics())
-        self.address = f"{cfg.bind_host}:{port}"
+        self.address = f"{_node_host(cfg)}:{port}"
         log.info("target replica %s serving verify on %s", self.replica, self.address)
 
     async def session(self, session_id: str):
@@ -128,8 +139,8 @@ class DrafterDeployment:
         lean = LeanLlama(load_model(resolve_model(cfg.drafter))) if cfg.drafter else None
         self.engine = DraftEngine(lean, cache_budget_bytes=cfg.drafter_cache_bytes)
         self.server, port, self.servicer = await start_drafter_server(
-            self.engine, cfg.bind_host, 0, self.replica)
-        self.address = f"{cfg.bind_host}:{port}"
+            self.engine, _node_host(cfg), 0, self.replica)
+        self.address = f"{_node_host(cfg)}:{port}"
 
     async def session(self, session_id: str):
         async for address in _hold(self.engine, session_id, self.address):

@@ -84,8 +84,10 @@ class AppConfig(BaseModel):
     max_batch: int = Field(32, ge=1, le=512, description="rows per target forward")
     batch_wait_ms: float = Field(2.0, ge=0, le=100, description="wait for more rows")
     redis_url: str | None = Field(None, description="request journal; None = no journal")
-    bind_host: str = Field("127.0.0.1", description="address replicas' data-path gRPC "
-                           "servers bind and advertise (the pod IP on Kubernetes)")
+    bind_host: str | None = Field(
+        None, description="address the replicas' data-path gRPC servers bind and advertise; "
+        "None = the address of the Ray node the replica runs on (the pod IP on Kubernetes, "
+        "127.0.0.x on a local cluster)")
     max_concurrent: int = Field(256, ge=1, description="requests per router replica; beyond "
                                 "that RESOURCE_EXHAUSTED")
     call_timeout_s: float = Field(30.0, gt=0, description="per-call deadline router->replica")
