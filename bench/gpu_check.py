@@ -6,7 +6,7 @@
 Needs one CUDA GPU (exits 2 with a clear message otherwise). Builds a randomly initialised
 Llama target of the chosen size on the GPU (no hub access needed: what matters here is the
 cost of a forward, not its tokens), and times the service's own verify code path,
-``target_service.engine.BatchedTarget.verify``, in steady state: every session holds
+``specserve.engine.target.TargetEngine.verify``, in steady state: every session holds
 ``--context`` tokens of KV and each step sends 1 newly committed token + K drafts (K = 0 is
 the plain 1-token decode step). CUDA events around each call (after a synchronize), median
 of ``--iters``. Prints per batch size and K: ms per verify, ms per row, and cost(K) /
@@ -14,7 +14,7 @@ cost(1-token step); writes bench-results/gpu_check.json.
 
 ``--tp-path`` also runs the tensor-parallel code path of the service with one rank (nccl
 group of world size 1, the checkpoint saved to a temp dir and loaded with transformers'
-``tp_plan="auto"``, driven through ``TPBatchedTarget``): the same numbers, so the overhead
+``tp_plan="auto"``, driven through ``TPTargetEngine``): the same numbers, so the overhead
 of the TP machinery itself (broadcast, DTensor dispatch) is visible before running TP > 1.
 """
 
@@ -57,7 +57,7 @@ def build_model(size: str, dtype: torch.dtype, device: str, context: int):
 
 def _items(b: int, step: int, k: int, context: int, vocab: int, tag: str) -> list:
     from specserve.core.sampling import SamplingParams
-    from target_service.engine import VerifyItem
+    from specserve.engine.target import VerifyItem
 
     out = []
     for i in range(b):
@@ -111,14 +111,14 @@ def time_verify(engine, vocab: int, batches: list[int], ks: list[int], context: 
 
 def run_tp_path(model, args, dtype: torch.dtype, device: str) -> dict:
     """The service's TP code path with one rank (world size 1)."""
-    from target_service.tp import TPBatchedTarget, free_port, setup_rank
+    from target_service.tp import TPTargetEngine, free_port, setup_rank
 
     with tempfile.TemporaryDirectory(prefix="specserve-gpu-check-") as tmp:
         model.save_pretrained(tmp)
         backend = "nccl" if device == "cuda" else "gloo"
         engine = setup_rank(0, 1, "127.0.0.1", free_port("127.0.0.1"), backend, 300.0, tmp,
                             args.cache_bytes, dtype)
-        tp = TPBatchedTarget(engine, [], heartbeat_s=3600)
+        tp = TPTargetEngine(engine, [], heartbeat_s=3600)
         try:
             return time_verify(tp, model.config.vocab_size, args.batches, args.ks,
                                args.context, args.iters, device, "tp")
@@ -154,13 +154,13 @@ def main() -> int:
         return 2
     dtype = getattr(torch, args.dtype)
     from specserve.engine.quiet import quiet_libraries
-    from target_service.engine import BatchedTarget
+    from specserve.engine.target import TargetEngine
 
     quiet_libraries()
     model = build_model(args.size, dtype, device, args.context)
     params = sum(p.numel() for p in model.parameters())
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    engine = BatchedTarget(model, cache_budget_bytes=args.cache_bytes)
+    engine = TargetEngine(model, cache_budget_bytes=args.cache_bytes)
     result: dict = {"device": gpu, "size": args.size, "params": params, "dtype": args.dtype,
                     "context": args.context, "iters": args.iters,
                     "tp1": time_verify(engine, model.config.vocab_size, args.batches, args.ks,

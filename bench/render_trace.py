@@ -88,7 +88,7 @@ async def _run(args: argparse.Namespace):
         await svc.generate(req, "warm-up")  # first-call costs out of the picture
         exporter.clear()
         n = 0
-        async for _ in svc.core.generate(req, "doc-request-1"):
+        async for _ in svc.router.generate(req, "doc-request-1"):
             n += 1
             if n == args.drop_caches_after:
                 for engine in (svc.target, svc.drafter):

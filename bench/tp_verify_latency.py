@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/tp_verify_latency.py [--iters 40] [--target builtin-target]
 
-TP=1 is ``BatchedTarget`` in this process. TP=2 runs the service's own code path without
+TP=1 is ``TargetEngine`` in this process. TP=2 runs the service's own code path without
 Ray: rank 1 is a ``TPWorker`` in a subprocess (``setup`` + ``serve``), rank 0 a
-``TPBatchedTarget`` here (broadcast op, then the sharded forward with its collectives).
+``TPTargetEngine`` here (broadcast op, then the sharded forward with its collectives).
 Steady state per step: every session sends 1 newly committed token + 4 drafts on a 64-token
 prompt (the repair crops the previous drafts). Reported per step (median ms): the whole
 verify, the op broadcast alone, the forward alone, and microbenchmarks of the collectives
@@ -36,7 +36,7 @@ BATCHES = (1, 8)
 
 def _items(b: int, step: int, vocab: int) -> list:
     from specserve.core.sampling import SamplingParams
-    from target_service.engine import VerifyItem
+    from specserve.engine.target import VerifyItem
 
     out = []
     for i in range(b):
@@ -171,9 +171,9 @@ def rank_main(rank: int, world: int, port: int, target: str, iters: int, out: st
                 _broadcast(None)
         dist.destroy_process_group()
         return
-    from target_service.tp import TPBatchedTarget
+    from target_service.tp import TPTargetEngine
 
-    tp = TPBatchedTarget(engine, [None] * (world - 1), heartbeat_s=3600)
+    tp = TPTargetEngine(engine, [None] * (world - 1), heartbeat_s=3600)
     res = _timed(tp, iters)
     with tp._lock:
         _broadcast(("stop", [], None))
@@ -205,11 +205,11 @@ def main() -> None:
     if args.rank is not None:
         rank_main(args.rank, 2, args.port, args.target, args.iters, args.rank_out)
         return
+    from specserve.engine.target import TargetEngine
     from specserve.models.load import load_model, resolve_model
-    from target_service.engine import BatchedTarget
     from target_service.tp import free_port
 
-    tp1 = _timed(BatchedTarget(load_model(resolve_model(args.target)), 1 << 30), args.iters)
+    tp1 = _timed(TargetEngine(load_model(resolve_model(args.target)), 1 << 30), args.iters)
     port = free_port("127.0.0.1")
     rank_out = Path(args.out).with_suffix(".rank0.tmp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -1,14 +1,16 @@
 """Ray Serve wiring: Router (gRPC ingress), Drafter and Target deployments.
 
-Thin shells. The data path (every round) runs over each drafter/target replica's own
-``grpc.aio`` bidi stream; Serve is in charge of placement, scaling, health and replica
-choice. A request *leases* a drafter and a target replica with a streaming Serve call
-(``session``) that yields the replica's data-path address and stays open until the request
-ends, so Serve's per-replica ongoing-request count is the number of open sessions: its
-power-of-two-choices routing balances sessions and its autoscaler scales by them.
+Thin shells. ``build_app(config_dict)`` validates the dict once (``AppConfig``) and is the
+``import_path`` target of `specserve serve`, a Serve config file and the Helm chart's
+RayService; the deployments receive the validated config and their engine factories
+(injected, as Ray Serve LLM injects its engine class, so tests can substitute them).
 
-``build_app(config_dict)`` validates the dict (``AppConfig``) and is the ``import_path``
-target of `specserve serve`, a Serve config file and the Helm chart's RayService.
+The data path (every round) runs over each drafter/target replica's own ``grpc.aio`` bidi
+stream; Serve is in charge of placement, scaling, health and replica choice. A request
+*leases* a drafter and a target replica with a streaming Serve call (``session``) that
+yields the replica's data-path address and stays open until the request ends, so Serve's
+per-replica ongoing-request count is the number of open sessions: its power-of-two-choices
+routing balances sessions and its autoscaler scales by them.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import asyncio
 import logging
 import os
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ray import serve
 
 from deployments.config import AppConfig
 
 log = logging.getLogger("specserve")
+
+EngineFactory = Callable[[AppConfig, str], Awaitable[Any]]  # (config, host) -> engine
 
 
 def _replica_id(kind: str) -> str:
@@ -32,13 +38,22 @@ def _replica_id(kind: str) -> str:
         return f"{kind}-{uuid.uuid4().hex[:8]}"
 
 
-def _setup_observability(component: str, cfg: AppConfig, replica: str) -> None:
+def _start_replica(component: str, cfg: AppConfig, threads: int | None = None) -> str:
+    """Common replica setup: quiet libraries, torch threads, tracing; returns the id."""
+    from specserve.engine.quiet import quiet_libraries
     from specserve.tracing import setup_tracing
 
+    quiet_libraries()
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    replica = _replica_id(component)
     setup_tracing(f"specserve-{component}", endpoint=cfg.otlp_endpoint, replica=replica)
+    return replica
 
 
-def _node_host(cfg: AppConfig) -> str:
+def node_host(cfg: AppConfig) -> str:
     """The address this replica's data-path server binds and advertises: ``bind_host``, or
     the address of the Ray node it runs on (never all interfaces)."""
     if cfg.bind_host:
@@ -48,10 +63,32 @@ def _node_host(cfg: AppConfig) -> str:
     return ray.util.get_node_ip_address()
 
 
-def _set_threads(n: int) -> None:
-    import torch
+async def make_target_engine(cfg: AppConfig, host: str) -> Any:
+    """The default target engine: ``TargetEngine``, or rank 0 of a tensor-parallel group."""
+    from specserve.models.load import load_model, resolve_model
 
-    torch.set_num_threads(n)
+    t = cfg.target
+    if t.tp_size > 1:  # this process is rank 0 of a tensor-parallel group
+        from target_service.tp import start_tp_target
+
+        sc = t.scaling
+        return await start_tp_target(
+            resolve_model(cfg.models.target), t.tp_size, host, t.cache_bytes,
+            threads=t.torch_threads, timeout_s=t.tp_timeout_s, num_cpus=sc.num_cpus,
+            num_gpus=sc.num_gpus, resources=sc.resources, heartbeat_s=t.tp_heartbeat_s)
+    from specserve.engine.target import TargetEngine
+
+    return TargetEngine(load_model(resolve_model(cfg.models.target)), t.cache_bytes)
+
+
+async def make_drafter_engine(cfg: AppConfig, host: str) -> Any:
+    from specserve.engine.drafter import DrafterEngine
+    from specserve.engine.lean import LeanLlama
+    from specserve.models.load import load_model, resolve_model
+
+    m = cfg.models
+    lean = LeanLlama(load_model(resolve_model(m.drafter))) if m.drafter else None
+    return DrafterEngine(lean, cache_budget_bytes=cfg.drafter.cache_bytes)
 
 
 async def _hold(engine, session_id: str, address: str):
@@ -65,36 +102,18 @@ async def _hold(engine, session_id: str, address: str):
 
 @serve.deployment(name="Target")
 class TargetDeployment:
-    async def __init__(self, config: dict):
-        from specserve.engine.quiet import quiet_libraries
-        from specserve.models.load import load_model, resolve_model
+    async def __init__(self, cfg: AppConfig, engine_factory: EngineFactory = make_target_engine):
         from specserve.service.metrics import TargetBatchMetrics
-        from target_service.engine import BatchedTarget
         from target_service.server import start_target_server
 
-        quiet_libraries()
-        cfg = AppConfig.model_validate(config)
-        _set_threads(cfg.torch_threads)
-        self.replica = _replica_id("target")
-        _setup_observability("target", cfg, self.replica)
-        self.tp = None
-        if cfg.tp_size > 1:  # this process is rank 0 of a tensor-parallel group
-            from target_service.tp import start_tp_target
-
-            sc = cfg.target_scaling
-            self.tp = await start_tp_target(
-                resolve_model(cfg.target), cfg.tp_size, _node_host(cfg),
-                cfg.target_cache_bytes,
-                threads=cfg.torch_threads, timeout_s=cfg.tp_timeout_s, num_cpus=sc.num_cpus,
-                num_gpus=sc.num_gpus, resources=sc.resources, heartbeat_s=cfg.tp_heartbeat_s)
-            self.engine = self.tp
-        else:
-            model = load_model(resolve_model(cfg.target))
-            self.engine = BatchedTarget(model, cache_budget_bytes=cfg.target_cache_bytes)
+        self.replica = _start_replica("target", cfg, cfg.target.torch_threads)
+        host = node_host(cfg)
+        self.engine = await engine_factory(cfg, host)
+        self.tp = self.engine if cfg.target.tp_size > 1 else None
         self.server, port, self.servicer = await start_target_server(
-            self.engine, _node_host(cfg), 0, self.replica, max_batch=cfg.max_batch,
-            batch_wait_s=cfg.batch_wait_ms / 1000, prometheus=TargetBatchMetrics())
-        self.address = f"{_node_host(cfg)}:{port}"
+            self.engine, host, 0, self.replica, max_batch=cfg.target.max_batch,
+            batch_wait_s=cfg.target.batch_wait_ms / 1000, prometheus=TargetBatchMetrics())
+        self.address = f"{host}:{port}"
         log.info("target replica %s serving verify on %s", self.replica, self.address)
 
     async def session(self, session_id: str):
@@ -124,23 +143,15 @@ class TargetDeployment:
 
 @serve.deployment(name="Drafter")
 class DrafterDeployment:
-    async def __init__(self, config: dict):
-        from drafter_service.engine import DraftEngine
+    async def __init__(self, cfg: AppConfig, engine_factory: EngineFactory = make_drafter_engine):
         from drafter_service.server import start_drafter_server
-        from specserve.engine.lean import LeanLlama
-        from specserve.engine.quiet import quiet_libraries
-        from specserve.models.load import load_model, resolve_model
 
-        quiet_libraries()
-        cfg = AppConfig.model_validate(config)
-        _set_threads(cfg.torch_threads)
-        self.replica = _replica_id("drafter")
-        _setup_observability("drafter", cfg, self.replica)
-        lean = LeanLlama(load_model(resolve_model(cfg.drafter))) if cfg.drafter else None
-        self.engine = DraftEngine(lean, cache_budget_bytes=cfg.drafter_cache_bytes)
+        self.replica = _start_replica("drafter", cfg, cfg.drafter.torch_threads)
+        host = node_host(cfg)
+        self.engine = await engine_factory(cfg, host)
         self.server, port, self.servicer = await start_drafter_server(
-            self.engine, _node_host(cfg), 0, self.replica)
-        self.address = f"{_node_host(cfg)}:{port}"
+            self.engine, host, 0, self.replica)
+        self.address = f"{host}:{port}"
 
     async def session(self, session_id: str):
         async for address in _hold(self.engine, session_id, self.address):
@@ -154,57 +165,56 @@ class DrafterDeployment:
         return os.getpid()
 
 
+def make_router(cfg: AppConfig, drafter_handle: Any, target_handle: Any) -> Any:
+    """The router over Serve leases, the pair's tokenizer (checked against the drafter's)
+    and the journal."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from router.journal import Journal
+    from router.leases import ServeLeasePool
+    from router.router import Router, RouterConfig
+    from specserve.models.load import check_tokenizers, resolve_model
+    from specserve.models.revision import model_revision
+    from specserve.service.metrics import RouterMetrics
+
+    m, r = cfg.models, cfg.router
+    tpath = resolve_model(m.target)
+    tok = AutoTokenizer.from_pretrained(tpath)
+    drev = ""
+    if m.drafter:
+        dpath = resolve_model(m.drafter)
+        check_tokenizers(tok, AutoTokenizer.from_pretrained(dpath), m.target, m.drafter)
+        drev = model_revision(dpath)
+    mcfg = AutoConfig.from_pretrained(tpath)
+    return Router(
+        tok,
+        RouterConfig(max_context=mcfg.max_position_embeddings, eos_token_id=tok.eos_token_id,
+                     vocab_size=mcfg.vocab_size, call_timeout_s=r.call_timeout_s,
+                     target_retries=r.target_retries, max_concurrent=r.max_concurrent),
+        drafters=ServeLeasePool(drafter_handle, "drafter") if m.drafter else None,
+        targets=ServeLeasePool(target_handle, "target"),
+        journal=Journal(cfg.journal_url()), revisions=(model_revision(tpath), drev),
+        metrics=RouterMetrics())
+
+
 @serve.deployment(name="Router")
 class RouterDeployment:
     """The client-facing gRPC ingress (``specserve.v1.SpecServe``)."""
 
-    async def __init__(self, config: dict, drafter, target):
-        from transformers import AutoTokenizer
-
-        from router.core import RouterConfig, RouterCore
-        from router.journal import Journal
-        from router.leases import ServeLeasePool
-        from specserve.engine.quiet import quiet_libraries
-        from specserve.models.load import check_tokenizers, resolve_model
-        from specserve.models.revision import model_revision
-        from specserve.service.metrics import RouterMetrics
-
-        quiet_libraries()
-        cfg = AppConfig.model_validate(config)
-        _setup_observability("router", cfg, _replica_id("router"))
-        tpath = resolve_model(cfg.target)
-        tok = AutoTokenizer.from_pretrained(tpath)
-        drev = ""
-        if cfg.drafter:
-            dpath = resolve_model(cfg.drafter)
-            check_tokenizers(tok, AutoTokenizer.from_pretrained(dpath), cfg.target, cfg.drafter)
-            drev = model_revision(dpath)
-        from transformers import AutoConfig
-
-        mcfg = AutoConfig.from_pretrained(tpath)
-        self.core = RouterCore(
-            tok,
-            RouterConfig(max_context=mcfg.max_position_embeddings,
-                         eos_token_id=tok.eos_token_id, vocab_size=mcfg.vocab_size,
-                         call_timeout_s=cfg.call_timeout_s, target_retries=cfg.target_retries,
-                         max_concurrent=cfg.max_concurrent),
-            drafters=ServeLeasePool(drafter, "drafter") if cfg.drafter else None,
-            targets=ServeLeasePool(target, "target"),
-            journal=Journal(cfg.redis_url),
-            revisions=(model_revision(tpath), drev),
-            metrics=RouterMetrics(),
-        )
+    async def __init__(self, cfg: AppConfig, drafter, target):
+        _start_replica("router", cfg)
+        self.router = make_router(cfg, drafter, target)
 
     async def Generate(self, request, grpc_context=None):
         from deployments.grpc_ingress import generate_stream
 
-        async for chunk in generate_stream(self.core, request, grpc_context):
+        async for chunk in generate_stream(self.router, request, grpc_context):
             yield chunk
 
     async def GenerateUnary(self, request, grpc_context=None):
         from deployments.grpc_ingress import generate_unary
 
-        return await generate_unary(self.core, request, grpc_context)
+        return await generate_unary(self.router, request, grpc_context)
 
     async def Check(self, request, grpc_context=None):
         from grpc_health.v1 import health_pb2
@@ -214,26 +224,33 @@ class RouterDeployment:
     def stats(self) -> dict:
         from router.stats import router_stats
 
-        return router_stats(self.core)
+        return router_stats(self.router)
 
     def reset_stats(self) -> None:
         from router.stats import reset_timing
 
-        reset_timing(self.core)
+        reset_timing(self.router)
 
     def pid(self) -> int:
         return os.getpid()
 
 
-def build_app(config: dict | None = None):
-    """Validate ``config`` and bind the three deployments (a Serve ``import_path``)."""
-    cfg = AppConfig.model_validate(config or {})
-    if cfg.tp_size > 1:  # fail before anything is deployed
+def validate_app_config(config: dict | AppConfig | None) -> AppConfig:
+    """The one validation of an application's config: the schema, then what needs the
+    model's own config (``tp_size`` must divide the target's heads)."""
+    cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config or {})
+    if cfg.target.tp_size > 1:
         from target_service.tp import check_model_tp
 
-        check_model_tp(cfg.target, cfg.tp_size)
-    raw = cfg.model_dump()
+        check_model_tp(cfg.models.target, cfg.target.tp_size)
+    return cfg
+
+
+def build_app(config: dict | AppConfig | None = None):
+    """Validate ``config`` and bind the three deployments (a Serve ``import_path``)."""
+    cfg = validate_app_config(config)
     target = TargetDeployment.options(
-        **cfg.target_scaling.deployment_options(cfg.tp_size)).bind(raw)
-    drafter = DrafterDeployment.options(**cfg.drafter_scaling.deployment_options()).bind(raw)
-    return RouterDeployment.options(**cfg.router.deployment_options()).bind(raw, drafter, target)
+        **cfg.target.scaling.deployment_options(cfg.target.tp_size)).bind(cfg)
+    drafter = DrafterDeployment.options(**cfg.drafter.scaling.deployment_options()).bind(cfg)
+    return RouterDeployment.options(**cfg.router.scaling.deployment_options()).bind(
+        cfg, drafter, target)

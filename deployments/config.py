@@ -67,42 +67,88 @@ class Scaling(BaseModel):
         return opts
 
 
-class AppConfig(BaseModel):
-    """Everything `specserve serve`, a Serve config file or a RayService passes to the
-    builder ``deployments.app:build_app``."""
+class Models(BaseModel):
+    """The model pair (aliases such as ``builtin-target`` / ``bench-target`` or local Hugging
+    Face checkpoint paths). Their tokenizers must be identical (checked at startup)."""
 
     model_config = ConfigDict(extra="forbid")
 
     target: str = Field("builtin-target", description="target checkpoint (alias or path)")
-    drafter: str | None = Field("builtin-drafter", description="drafter checkpoint; None = "
-                                "n-gram and spec-off only")
-    router: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.2))
-    drafter_scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.3))
-    target_scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.5))
-    target_cache_bytes: int = Field(512 << 20, ge=1 << 16, description="KV budget per target")
-    drafter_cache_bytes: int = Field(256 << 20, ge=1 << 16, description="KV budget per drafter")
-    max_batch: int = Field(32, ge=1, le=512, description="rows per target forward")
-    batch_wait_ms: float = Field(2.0, ge=0, le=100, description="wait for more rows")
-    redis_url: str | None = Field(None, description="request journal; None = no journal")
-    bind_host: str | None = Field(
-        None, description="address the replicas' data-path gRPC servers bind and advertise; "
-        "None = the address of the Ray node the replica runs on (the pod IP on Kubernetes, "
-        "127.0.0.x on a local cluster)")
+    drafter: str | None = Field("builtin-drafter", description="drafter checkpoint; null = "
+                                "prompt lookup (ngram) and spec-off only")
+
+
+class RouterOptions(BaseModel):
+    """The Router deployment: the gRPC ingress that runs every request's rounds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.2))
     max_concurrent: int = Field(256, ge=1, description="requests per router replica; beyond "
                                 "that RESOURCE_EXHAUSTED")
     call_timeout_s: float = Field(30.0, gt=0, description="per-call deadline router->replica")
-    torch_threads: int = Field(1, ge=1, le=256, description="intra-op threads per replica "
-                               "(1 on shared CPUs: oversubscribed OpenMP threads are 10x slower)")
     target_retries: int = Field(8, ge=0, le=20, description="reconnects to a target replica "
                                 "(backoff 0.25 s doubling to 4 s) before UNAVAILABLE")
+
+
+_THREADS = ("intra-op torch threads per replica (1 on shared CPUs: oversubscribed OpenMP "
+            "threads are 10x slower)")
+
+
+class DrafterOptions(BaseModel):
+    """The Drafter deployment: draft-model and prompt-lookup proposals."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.3))
+    cache_bytes: int = Field(256 << 20, ge=1 << 16, description="KV budget per replica (LRU)")
+    torch_threads: int = Field(1, ge=1, le=256, description=_THREADS)
+
+
+class TargetOptions(BaseModel):
+    """The Target deployment: batched verification, optionally tensor-parallel."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.5))
+    cache_bytes: int = Field(512 << 20, ge=1 << 16, description="KV budget per replica (LRU)")
+    max_batch: int = Field(32, ge=1, le=512, description="rows per target forward")
+    batch_wait_ms: float = Field(2.0, ge=0, le=100, description="wait for more rows")
+    torch_threads: int = Field(1, ge=1, le=256, description=_THREADS)
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per target "
                          "replica (one placement group of tp_size bundles, STRICT_PACK, each "
-                         "target_scaling's CPUs/GPUs); must divide the target's heads")
+                         "with this scaling's CPUs/GPUs); must divide the target's heads")
     tp_timeout_s: float = Field(30.0, gt=0, le=3600, description="collective timeout of a "
                                 "tensor-parallel group: a rank silent this long fails the group")
     tp_heartbeat_s: float = Field(2.0, gt=0, le=60, description="idle tensor-parallel groups "
                                   "exchange a heartbeat this often (a dead rank is noticed)")
+
+
+class AppConfig(BaseModel):
+    """Everything `specserve serve`, a Serve config file or a RayService passes to the
+    builder ``deployments.app:build_app``: the model pair, one section per deployment, and
+    the shared services."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: Models = Field(default_factory=Models)
+    router: RouterOptions = Field(default_factory=RouterOptions)
+    drafter: DrafterOptions = Field(default_factory=DrafterOptions)
+    target: TargetOptions = Field(default_factory=TargetOptions)
+    redis_url: str | None = Field(
+        None, description="request journal; null = the replica's REDIS_URL environment "
+        "variable, and no journal without it")
+    bind_host: str | None = Field(
+        None, description="address the replicas' data-path gRPC servers bind and advertise; "
+        "null = the address of the Ray node the replica runs on (the pod IP on Kubernetes, "
+        "127.0.0.x on a local cluster)")
     otlp_endpoint: str | None = Field(
         None, description="OTLP/gRPC endpoint the replicas send traces to, e.g. "
-        "'http://collector:4317'; None = the replicas' OTEL_* environment (tracing off "
+        "'http://collector:4317'; null = the replicas' OTEL_* environment (tracing off "
         "without OTEL_EXPORTER_OTLP_ENDPOINT)")
+
+    def journal_url(self) -> str | None:
+        """The Redis URL the router's journal uses (``redis_url`` or ``$REDIS_URL``)."""
+        import os
+
+        return self.redis_url or os.environ.get("REDIS_URL") or None

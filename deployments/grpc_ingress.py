@@ -1,17 +1,19 @@
 """The public ``specserve.v1.SpecServe`` methods on the Router deployment.
 
-Maps domain errors to gRPC status codes. Ray Serve's gRPC context cannot abort: a status is
-set on it and an exception raised, which Serve's proxy turns into that status.
+Errors map to gRPC status codes through the one mapping (``specserve.grpc_api.status_of``).
+Ray Serve's gRPC context cannot abort: a status is set on it and an exception raised, which
+Serve's proxy turns into that status.
 """
 
 from __future__ import annotations
 
-import grpc
-from pydantic import ValidationError
-
-from router.core import Overloaded, RequestInvalid, RequestOutOfRange, RouterCore, TargetUnavailable
-from specserve.api import describe_validation_error
-from specserve.grpc_api import chunk_to_proto, request_from_proto, response_to_proto
+from router.router import Router
+from specserve.grpc_api import (
+    abort_with_status,
+    chunk_to_proto,
+    request_from_proto,
+    response_to_proto,
+)
 from specserve.tracing import context_from_metadata, tracer
 
 
@@ -19,26 +21,10 @@ class RequestFailed(Exception):
     """Raised after a status was set on the Serve gRPC context."""
 
 
-def status_of(err: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    if isinstance(err, ValidationError):
-        return grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(err)
-    for cls, code in ((RequestInvalid, grpc.StatusCode.INVALID_ARGUMENT),
-                      (RequestOutOfRange, grpc.StatusCode.OUT_OF_RANGE),
-                      (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-                      (TargetUnavailable, grpc.StatusCode.UNAVAILABLE)):
-        if isinstance(err, cls):
-            return code, str(err)
-    return None
-
-
-def _fail(ctx, err: BaseException) -> RequestFailed:
-    status = status_of(err)
-    if status is None:
-        status = (grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
+async def _fail(ctx, err: BaseException) -> RequestFailed:
     if ctx is not None:
-        ctx.set_code(status[0])
-        ctx.set_details(status[1])
-    return RequestFailed(status[1])
+        await abort_with_status(ctx, err)
+    return RequestFailed(str(err))
 
 
 def _request_id(request, ctx) -> str | None:
@@ -58,25 +44,25 @@ def _parent(ctx):
     return context_from_metadata(ctx.invocation_metadata())
 
 
-async def generate_stream(core: RouterCore, request, ctx):
+async def generate_stream(router: Router, request, ctx):
     try:
         req = request_from_proto(request)
-        async for ch in core.generate(req, _request_id(request, ctx), _parent(ctx)):
+        async for ch in router.generate(req, _request_id(request, ctx), _parent(ctx)):
             yield chunk_to_proto(ch.text, ch.token_ids, ch.finish_reason, ch.stats)
     except RequestFailed:
         raise
     except Exception as e:
-        raise _fail(ctx, e) from e
+        raise await _fail(ctx, e) from e
 
 
-async def generate_unary(core: RouterCore, request, ctx):
+async def generate_unary(router: Router, request, ctx):
     text, ids, finish, stats = [], [], "", None
     try:
         req = request_from_proto(request)
-        async for ch in core.generate(req, _request_id(request, ctx), _parent(ctx)):
+        async for ch in router.generate(req, _request_id(request, ctx), _parent(ctx)):
             text.append(ch.text)
             ids.extend(ch.token_ids)
             finish, stats = ch.finish_reason or finish, ch.stats or stats
     except Exception as e:
-        raise _fail(ctx, e) from e
+        raise await _fail(ctx, e) from e
     return response_to_proto("".join(text), ids, finish, stats)

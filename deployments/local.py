@@ -33,6 +33,17 @@ class LocalService:
     _redis: object | None = None
     metrics_url: str = ""  # Ray's Prometheus endpoint on this node: http://127.0.0.1:PORT/metrics
 
+    def router_stats(self) -> dict:
+        """The (first) router replica's round split (``router/stats.py``)."""
+        from ray import serve
+
+        return serve.get_deployment_handle("Router", APP_NAME).stats.remote().result()
+
+    def reset_router_stats(self) -> None:
+        from ray import serve
+
+        serve.get_deployment_handle("Router", APP_NAME).reset_stats.remote().result()
+
     def stop(self) -> None:
         import ray
         from ray import serve
@@ -89,31 +100,26 @@ def _exit_cleanly_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
-def start_local(config: dict | None = None, port: int = 9000, num_cpus: float | None = None,
-                redis: bool = True) -> LocalService:
+def start_local(config: dict | AppConfig | None = None, port: int = 9000,
+                num_cpus: float | None = None, redis: bool = True) -> LocalService:
+    """Start Ray (local), Serve's gRPC ingress on ``port`` and the application. Redis:
+    ``config.redis_url``, else ``$REDIS_URL``, else an embedded server (``redis=True``)."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app, validate_app_config
 
-    cfg = dict(config or {})
-    app_cfg = AppConfig.model_validate(cfg)
-    if app_cfg.tp_size > 1:  # a bad tp_size fails before anything starts
-        from target_service.tp import check_model_tp
-
-        check_model_tp(app_cfg.target, app_cfg.tp_size)
+    cfg = validate_app_config(config)  # a bad config fails before anything starts
     redis_server = None
-    if redis and not cfg.get("redis_url"):
-        if os.environ.get("REDIS_URL"):
-            cfg["redis_url"] = os.environ["REDIS_URL"]
-        else:
-            cfg["redis_url"], redis_server = start_embedded_redis()
-        app_cfg = AppConfig.model_validate(cfg)
+    url = cfg.journal_url()
+    if redis and url is None:
+        url, redis_server = start_embedded_redis()
+    cfg = cfg.model_copy(update={"redis_url": url})
     metrics_port = init_ray(num_cpus)
     _exit_cleanly_on_sigterm()
     serve.start(
         http_options={"host": "127.0.0.1", "port": 0},
         grpc_options={"port": port, "grpc_servicer_functions": SERVICER_FUNCTIONS},
     )
-    serve.run(build_app(app_cfg.model_dump()), name=APP_NAME, route_prefix=f"/{APP_NAME}")
-    return LocalService(f"127.0.0.1:{port}", app_cfg, app_cfg.redis_url, redis_server,
+    serve.run(build_app(cfg), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+    return LocalService(f"127.0.0.1:{port}", cfg, cfg.journal_url(), redis_server,
                         f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else "")

@@ -12,17 +12,17 @@ import time
 
 import grpc
 
-from drafter_service.engine import DraftEngine, ProposeItem
 from specserve import tracing
+from specserve.engine.drafter import DrafterEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
-from specserve.service.wire import probs_to_bytes, repair_to_proto, sampling_from_proto
+from specserve.service.wire import propose_item_from_proto, propose_outcome_to_proto
 
 log = logging.getLogger(__name__)
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, engine: DraftEngine, replica: str):
+    def __init__(self, engine: DrafterEngine, replica: str):
         self.engine = engine
         self.replica = replica
         self.proposals = 0
@@ -55,10 +55,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def _propose_untraced(self, msg: pb.ProposeRequest) -> pb.ProposeReply:
         try:
-            item = ProposeItem(
-                session_id=msg.session_id, committed_len=msg.committed_len,
-                tokens_start=msg.tokens_start, tokens=list(msg.tokens), k=msg.k,
-                mode=msg.mode or "draft", sampling=sampling_from_proto(msg.sampling))
+            item = propose_item_from_proto(msg)
             async with self._lock:
                 t0 = time.perf_counter()
                 (o,) = await asyncio.to_thread(self.engine.propose, [item])
@@ -67,10 +64,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             log.warning("propose failed: %s", e)
             return pb.ProposeReply(call_id=msg.call_id, error=str(e), replica=self.replica)
         self.proposals += 1
-        return pb.ProposeReply(
-            call_id=msg.call_id, draft_tokens=o.draft_tokens,
-            draft_probs=probs_to_bytes(o.draft_probs), cache_miss=o.cache_miss,
-            repair=repair_to_proto(o.repair), replica=self.replica, compute_us=compute_us)
+        return propose_outcome_to_proto(o, msg.call_id, self.replica, compute_us)
 
     async def Propose(self, request_iterator, context):
         replies: asyncio.Queue = asyncio.Queue()
@@ -99,7 +93,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             reader.cancel()
 
 
-async def start_drafter_server(engine: DraftEngine, host: str = "127.0.0.1", port: int = 0,
+async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
                                replica: str = "drafter"):
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     servicer = DrafterServicer(engine, replica)

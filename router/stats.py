@@ -4,35 +4,31 @@ from __future__ import annotations
 
 import numpy as np
 
-from router.core import RouterCore
+from router.router import Router
 
 
-def _pct(values: list[float]) -> dict[str, float]:
-    if not values:
+def _pct(values: np.ndarray) -> dict[str, float]:
+    if not values.size:
         return {"p50_ms": 0.0, "p99_ms": 0.0, "n": 0}
-    arr = np.asarray(values) * 1000
+    arr = values * 1000
     return {"p50_ms": round(float(np.percentile(arr, 50)), 3),
             "p99_ms": round(float(np.percentile(arr, 99)), 3), "n": int(arr.size)}
 
 
-def router_stats(core: RouterCore) -> dict:
-    t = core.timing
-    rounds = np.asarray(t.round_s)
-    local = rounds - np.asarray(t.propose_s) - np.asarray(t.verify_s)
-    orchestration = rounds - np.asarray(t.drafter_compute_s) - np.asarray(t.target_compute_s)
+def router_stats(router: Router) -> dict:
+    t = {k: np.asarray(v) for k, v in router.timing.snapshot().items()}
+    local = t["round_s"] - t["propose_s"] - t["verify_s"]
+    # round wall time minus drafter and target compute: hops, batching wait, router work
+    orchestration = t["round_s"] - t["drafter_compute_s"] - t["target_compute_s"]
     return {
-        "round": _pct(list(t.round_s)), "propose": _pct(list(t.propose_s)),
-        "verify": _pct(list(t.verify_s)),
-        "drafter_compute": _pct(list(t.drafter_compute_s)),
-        "target_compute": _pct(list(t.target_compute_s)),
-        # round wall time minus drafter and target compute: hops, batching wait, router work
-        "orchestration_overhead": _pct(orchestration.tolist()),
-        "router_local": _pct(local.tolist()), "active": core.active,
-        "target_reconnects": core.target_reconnects,
-        "journal_degraded": core.journal.degraded, **core.totals.to_dict(),
+        "round": _pct(t["round_s"]), "propose": _pct(t["propose_s"]),
+        "verify": _pct(t["verify_s"]), "drafter_compute": _pct(t["drafter_compute_s"]),
+        "target_compute": _pct(t["target_compute_s"]),
+        "orchestration_overhead": _pct(orchestration), "router_local": _pct(local),
+        "active": router.active, "target_reconnects": router.target_reconnects,
+        "journal_degraded": router.journal.degraded, **router.totals.to_dict(),
     }
 
 
-def reset_timing(core: RouterCore) -> None:
-    for name in ("round_s", "propose_s", "verify_s", "drafter_compute_s", "target_compute_s"):
-        getattr(core.timing, name).clear()
+def reset_timing(router: Router) -> None:
+    router.timing.clear()

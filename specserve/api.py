@@ -6,6 +6,7 @@ No torch here: the light client install imports it.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -54,6 +55,31 @@ class GenerationRequest(BaseModel):
         if self.prompt_ids is not None and not self.prompt_ids:
             raise ValueError("prompt_ids: must not be empty")
         return self
+
+
+def prepare_prompt(req: GenerationRequest, tokenizer: Any, vocab_size: int,
+                   max_context: int) -> list[int]:
+    """The request's prompt token ids, checked against the model (the one validation path
+    after the pydantic model: CLI, engine and service ingress all call it). Raises
+    ``RequestError`` (a bad token id) or ``OutOfRange`` (over the context)."""
+    from specserve.errors import OutOfRange, RequestError
+
+    if req.prompt_ids is not None:
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"prompt_ids: token id {bad[0]} outside the vocabulary "
+                               f"[0, {vocab_size})")
+        ids = list(req.prompt_ids)
+    else:
+        ids = tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+    if len(ids) >= max_context:
+        raise OutOfRange(f"prompt: {len(ids)} tokens, but the context holds {max_context}; "
+                         "shorten the prompt")
+    if len(ids) + req.max_tokens > max_context:
+        raise OutOfRange(
+            f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds "
+            f"the context ({max_context}); lower max_tokens to at most {max_context - len(ids)}")
+    return ids
 
 
 def describe_validation_error(err: Exception) -> str:

@@ -17,12 +17,15 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import IO, Any
 
 EXIT_USAGE = 2
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
@@ -30,7 +33,7 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
@@ -43,14 +46,14 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (0-16, default 4)")
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
+def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="builtin-target",
                    help="target model: builtin-target, bench-target or a local HF checkpoint")
     p.add_argument("--drafter", default="builtin-drafter",
                    help="drafter model: builtin-drafter or a local HF checkpoint")
 
 
-def _request_from_args(args: argparse.Namespace, prompt: str):
+def request_from_args(args: argparse.Namespace, prompt: str):
     from pydantic import ValidationError
 
     from specserve.api import GenerationRequest, describe_validation_error
@@ -69,7 +72,7 @@ class UsageError(Exception):
     pass
 
 
-def _summary(st: dict, elapsed: float) -> str:
+def summary_line(st: dict, elapsed: float) -> str:
     tokens = st.get("output_tokens", 0)
     rate = tokens / elapsed if elapsed > 0 else 0.0
     ttft = st.get("ttft_s", st.get("ttft_ms", 0) / 1000)
@@ -87,8 +90,8 @@ def _summary(st: dict, elapsed: float) -> str:
     return line
 
 
-def _stream_to_stdout(client, args: argparse.Namespace) -> tuple[dict, str]:
-    """Stream a generation through the SDK to stdout; (final stats, finish reason)."""
+def stream_to(out: IO[str], client, args: argparse.Namespace) -> tuple[dict, str]:
+    """Stream a generation through the SDK to ``out``; (final stats, finish reason)."""
     stats: dict = {}
     finish = ""
     for chunk in client.stream(
@@ -96,10 +99,32 @@ def _stream_to_stdout(client, args: argparse.Namespace) -> tuple[dict, str]:
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
         spec=args.spec, k=args.k,
     ):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
+        out.write(chunk.text)
+        out.flush()
         stats, finish = chunk.stats or stats, chunk.finish_reason or finish
     return stats, finish
+
+
+def product_stdout() -> IO[str]:
+    """Keep stdout for the command's product only: returns a stream on the real stdout and
+    points file descriptor 1 (and ``sys.stdout``) at stderr, so whatever libraries print
+    (Ray's log lines at shutdown, its C++ core) lands on stderr."""
+    sys.stdout.flush()
+    product = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return product
+
+
+def local_service_starter() -> Callable[..., Any]:
+    """The installed service's ``start_local(config, port, num_cpus)`` (registered by
+    ``deployments`` under the ``specserve.service`` entry point: the core package never
+    imports the services above it)."""
+    for ep in entry_points(group="specserve.service"):
+        if ep.name == "local":
+            return ep.load()
+    raise UsageError("the distributed service is not installed (pip install "
+                     "'specserve[serve]' from a checkout)")
 
 
 def _generate_remote(args: argparse.Namespace) -> int:
@@ -110,22 +135,23 @@ def _generate_remote(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         with Client(args.server, timeout=args.timeout) as client:
-            stats, finish = _stream_to_stdout(client, args)
+            stats, finish = stream_to(sys.stdout, client, args)
     except SpecServeError as e:
         print(f"specserve generate: error: {e.code.name}: {e.details}", file=sys.stderr)
         return EXIT_USAGE if e.code.name in ("INVALID_ARGUMENT", "OUT_OF_RANGE") else 1
     sys.stdout.write("\n")
-    print(_summary({**stats, "finish_reason": finish}, time.perf_counter() - t0),
+    print(summary_line({**stats, "finish_reason": finish}, time.perf_counter() - t0),
           file=sys.stderr)
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    req = _request_from_args(args, args.prompt)
+    req = request_from_args(args, args.prompt)
     if args.server:
         return _generate_remote(args)
-    _quiet_libraries()
-    from specserve.engine.generator import RequestError, SpeculativeGenerator
+    quiet_libraries()
+    from specserve.engine.generator import SpeculativeGenerator
+    from specserve.errors import RequestError
     from specserve.models.load import IncompatiblePairError, load_pair
 
     try:
@@ -142,98 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except RequestError as e:
         raise UsageError(str(e)) from None
     sys.stdout.write("\n")
-    print(_summary(stats.to_dict(), stats.total_s), file=sys.stderr)
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Start the service on a local Ray cluster, stream one generation through the gRPC
-    SDK, print the summary, stop."""
-    import socket
-    import time
-
-    req = _request_from_args(args, args.prompt)
-    del req  # validated; the server validates again
-    _quiet_libraries()
-    from deployments.local import start_local
-    from specserve.client import Client
-
-    port = args.port
-    if port == 0:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    print("[specserve] starting a local Ray cluster with the Router, Drafter and Target "
-          "deployments (built-in pair, embedded Redis) ...", file=sys.stderr)
-    t0 = time.perf_counter()
-    service = start_local({}, port=port)
-    print(f"[specserve] serving gRPC on {service.grpc_address} after "
-          f"{time.perf_counter() - t0:.0f}s; generating through the SDK:", file=sys.stderr)
-    try:
-        t1 = time.perf_counter()
-        with Client(service.grpc_address, timeout=300) as client:
-            stats, finish = _stream_to_stdout(client, args)
-        sys.stdout.write("\n")
-        print(_summary({**stats, "finish_reason": finish}, time.perf_counter() - t1),
-              file=sys.stderr)
-    finally:
-        service.stop()
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
-    if not 0 < args.port < 65536:
-        raise UsageError(f"--port must be in 1..65535, got {args.port}")
-    config: dict = {}
-    if args.config:
-        import yaml
-
-        try:
-            config = yaml.safe_load(Path(args.config).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise UsageError(f"--config {args.config}: {e}") from None
-    config.setdefault("target", args.target)
-    config.setdefault("drafter", None if args.drafter == "none" else args.drafter)
-    if args.tp is not None:
-        config["tp_size"] = args.tp
-    from pydantic import ValidationError
-
-    from deployments.config import AppConfig
-    from specserve.api import describe_validation_error
-
-    try:
-        app_cfg = AppConfig.model_validate(config)
-    except ValidationError as e:
-        raise UsageError(f"config: {describe_validation_error(e)}") from None
-    if app_cfg.tp_size > 1:  # before Ray starts: a bad tp_size leaves nothing running
-        from target_service.tp import check_model_tp
-
-        try:
-            check_model_tp(app_cfg.target, app_cfg.tp_size)
-        except (ValueError, OSError) as e:
-            raise UsageError(f"--tp: {e}") from None
-    _quiet_libraries()
-    from deployments.local import APP_NAME, start_local
-
-    print(f"[specserve] starting Ray and the deployments (target {config['target']}, drafter "
-          f"{config['drafter']}) ...", file=sys.stderr)
-    service = start_local(config, port=args.port, num_cpus=args.num_cpus)
-    # After ray.init: Ray installs its own SIGTERM handler (which aborts); ours replaces it
-    # so that SIGTERM, like Ctrl-C, shuts Serve and the local cluster down cleanly.
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"[specserve] serving gRPC on {service.grpc_address} (application '{APP_NAME}', "
-          f"journal {service.redis_url or 'off'}); Ctrl-C to stop", file=sys.stderr)
-    print(service.grpc_address, flush=True)
-    try:
-        stop.wait()
-    finally:
-        print("[specserve] shutting down", file=sys.stderr)
-        service.stop()
+    print(summary_line(stats.to_dict(), stats.total_s), file=sys.stderr)
     return 0
 
 
@@ -256,7 +191,7 @@ def cmd_models_build(args: argparse.Namespace) -> int:
             cfg = cfg.model_copy(update={"target_steps": args.target_steps})
         if args.drafter_steps:
             cfg = cfg.model_copy(update={"drafter_steps": args.drafter_steps})
-        _quiet_libraries()
+        quiet_libraries()
         manifest = build_pair(out, cfg, args.preset)
     print(json.dumps({k: manifest[k] for k in ("target", "drafter")}, indent=2), file=sys.stderr)
     print(out)
@@ -284,7 +219,7 @@ def _int_list(flag: str, value: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    _quiet_libraries()
+    quiet_libraries()
     if args.concurrency is None:
         args.concurrency = "1,2,4,8,16,32" if args.suite else "1,4,16"
     if args.suite:
@@ -303,7 +238,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             except (OSError, WorkloadError) as e:
                 raise UsageError(f"--workload: {e}") from None
         report = run_suite(
-            args.server, args.target, args.drafter, levels,
+            args.server or local_service_starter(), args.target, args.drafter, levels,
             _int_list("--ks", args.ks) if args.ks else [2, 4], Path(args.out), classes=classes,
             requests_per_level=args.prompts, baselines=not args.no_hf,
             poisson_rate=args.rate)
@@ -316,7 +251,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not conc or min(conc) < 1:
             raise UsageError("--concurrency: levels must be >= 1")
         report = run_service_bench(
-            args.server, args.target, args.drafter, conc,
+            args.server or local_service_starter(), args.target, args.drafter, conc,
             _int_list("--ks", args.ks) if args.ks else [2, 4], args.max_tokens,
             Path(args.out), requests_per_level=args.prompts)
         print(json.dumps(summarize(report), indent=1))
@@ -347,29 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream a generation to stdout (single process)")
     g.add_argument("prompt", help="prompt text")
-    _add_sampling_flags(g)
-    _add_model_flags(g)
+    add_sampling_flags(g)
+    add_model_flags(g)
     g.add_argument("--server", help="HOST:PORT of a running `specserve serve`: generate "
                                     "through the gRPC client SDK instead of in this process")
     g.add_argument("--timeout", type=float, default=120.0, help="--server: deadline (s)")
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", help="start the service locally, generate through it, stop")
-    d.add_argument("prompt", help="prompt text")
-    _add_sampling_flags(d)
-    d.add_argument("--port", type=int, default=0, help="gRPC port (default: a free one)")
-    d.set_defaults(func=cmd_demo)
-
-    s = sub.add_parser("serve", help="run the distributed service on a local Ray cluster")
-    s.add_argument("--port", type=int, default=9000, help="gRPC port (default 9000)")
-    _add_model_flags(s)
-    s.add_argument("--config", help="YAML/JSON AppConfig (deployments/config.py); flags "
-                                    "fill what it leaves out")
-    s.add_argument("--num-cpus", type=float, default=None, help="CPUs Ray may use")
-    s.add_argument("--tp", type=int, default=None, metavar="N",
-                   help="tensor-parallel ranks per target replica (AppConfig.tp_size; "
-                        "default 1); must divide the target's attention heads")
-    s.set_defaults(func=cmd_serve)
+    for ep in entry_points(group="specserve.commands"):  # `serve`, `demo` (deployments/)
+        ep.load()(sub)
 
     m = sub.add_parser("models", help="build or inspect model pairs")
     msub = m.add_subparsers(dest="models_command", required=True)
@@ -390,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks, baselines in the same run: single process "
                                          "(default) or the service (--service / --server)")
-    _add_model_flags(bench)
+    add_model_flags(bench)
     bench.add_argument("--ks", help="comma-separated K values for draft mode (default 1..8)")
     bench.add_argument("--prompts", type=int, default=10, help="held-out prompts (default 10)")
     bench.add_argument("--max-tokens", type=int, default=96, help="tokens per prompt")
@@ -427,5 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the importable module's main: one UsageError class
+    from specserve.cli import main as _main
+
+    sys.exit(_main())

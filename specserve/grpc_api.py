@@ -4,12 +4,11 @@ The server validates every request with ``specserve.api.GenerationRequest`` (the
 the CLI and the engine use), so the wire format adds no rules of its own: proto3 "unset"
 becomes the model's default and everything else is the model's to accept or reject.
 
-No torch here: the engine's ``RequestError`` is recognised without importing the engine.
+No torch here (the light client install imports it).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from specserve.api import GenerationRequest, describe_validation_error
+from specserve.errors import ServiceError
 from specserve.proto_gen.specserve.v1 import specserve_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 64
@@ -137,11 +137,6 @@ def chunk_to_proto(text: str, token_ids: Iterable[int], finish_reason: str | Non
     return msg
 
 
-def engine_chunk_to_proto(chunk: Any) -> pb.GenerateChunk:
-    """A ``specserve.engine.generator.Chunk`` (or anything with its attributes) on the wire."""
-    return chunk_to_proto(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats)
-
-
 def response_to_proto(text: str, token_ids: Sequence[int], finish_reason: str,
                       stats: Mapping[str, Any] | Any) -> pb.GenerateResponse:
     """The GenerateUnary answer."""
@@ -149,39 +144,29 @@ def response_to_proto(text: str, token_ids: Sequence[int], finish_reason: str,
                                stats=stats_to_proto(stats))
 
 
-def _is_request_error(err: BaseException) -> bool:
-    # Only the engine raises RequestError; if its module is not imported, none exists. This
-    # keeps torch out of this module.
-    mod = sys.modules.get("specserve.engine.generator")
-    cls = getattr(mod, "RequestError", None)
-    return isinstance(cls, type) and isinstance(err, cls)
+def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one mapping of a failed request to a gRPC status (every public entry point).
 
-
-def status_for(err: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    """The status a rejected request gets, or None if ``err`` is not a request problem.
-
-    pydantic ValidationError and the engine's RequestError both become INVALID_ARGUMENT with
-    a message naming the field ("top_p: Input should be less than or equal to 1";
-    "max_tokens: prompt (90 tokens) + max_tokens (64) exceeds the context (128); ...").
+    pydantic's ValidationError and ``RequestError`` become INVALID_ARGUMENT naming the field
+    ("top_p: Input should be less than or equal to 1"), ``OutOfRange`` OUT_OF_RANGE
+    ("max_tokens: prompt (90 tokens) + max_tokens (64) exceeds the context (128); ..."),
+    ``Overloaded`` RESOURCE_EXHAUSTED, ``Unavailable`` UNAVAILABLE; anything else INTERNAL.
     """
     if isinstance(err, ValidationError):
         return grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(err)
-    if _is_request_error(err):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
-    return None
+    if isinstance(err, ServiceError):
+        return grpc.StatusCode[err.code], str(err)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
 
 
-async def abort_invalid(context: Any, err: BaseException) -> None:
-    """Ends the RPC with the status ``status_for(err)`` gives; re-raises ``err`` otherwise.
+async def abort_with_status(context: Any, err: BaseException) -> None:
+    """Ends the RPC with ``status_of(err)``.
 
     With a grpc(.aio) ServicerContext this aborts (raises, so it never returns). With a
     context that cannot abort (Ray Serve's RayServegRPCContext) it sets the code and details
-    and returns: the handler must then return an empty response.
+    and returns: the handler must then raise or return an empty response.
     """
-    status = status_for(err)
-    if status is None:
-        raise err
-    code, message = status
+    code, message = status_of(err)
     abort = getattr(context, "abort", None)
     if abort is not None:
         result = abort(code, message)

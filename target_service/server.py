@@ -2,7 +2,7 @@
 
 Every Verify message from every open stream goes into one queue; the batcher takes what is
 there (waiting up to ``batch_wait_s`` for more when other sessions are active) and runs one
-``BatchedTarget.verify`` over all of them in a worker thread, so concurrent requests share a
+``TargetEngine.verify`` over all of them in a worker thread, so concurrent requests share a
 forward pass.
 """
 
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specserve import tracing
+from specserve.engine.target import TargetEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
-from specserve.service.wire import probs_from_bytes, repair_to_proto, sampling_from_proto
-from target_service.engine import BatchedTarget, VerifyItem
+from specserve.service.wire import verify_item_from_proto, verify_outcome_to_proto
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -48,7 +48,7 @@ class TargetMetrics:
 
 
 class TargetServicer(pb_grpc.TargetServicer):
-    def __init__(self, engine: BatchedTarget, replica: str, max_batch: int = 32,
+    def __init__(self, engine: TargetEngine, replica: str, max_batch: int = 32,
                  batch_wait_s: float = 0.002, prometheus: TargetBatchMetrics | None = None):
         self.engine = engine
         self.replica = replica
@@ -122,13 +122,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         items, errors = [], {}
         for i, (msg, _, _) in enumerate(batch):
             try:
-                items.append(VerifyItem(
-                    session_id=msg.session_id, committed_len=msg.committed_len,
-                    tokens_start=msg.tokens_start, tokens=list(msg.tokens),
-                    draft_tokens=list(msg.draft_tokens),
-                    draft_probs=probs_from_bytes(msg.draft_probs, len(msg.draft_tokens)),
-                    sampling=sampling_from_proto(msg.sampling),
-                ))
+                items.append(verify_item_from_proto(msg))
             except ValueError as e:
                 errors[i] = str(e)
         good = [i for i in range(len(batch)) if i not in errors]
@@ -162,11 +156,8 @@ class TargetServicer(pb_grpc.TargetServicer):
                 reply = pb.VerifyReply(call_id=msg.call_id, error=errors[i],
                                        replica=self.replica)
             else:
-                o = outcomes[i]
-                reply = pb.VerifyReply(
-                    call_id=msg.call_id, num_accepted=o.num_accepted, extra_token=o.extra_token,
-                    bonus=o.bonus, cache_miss=o.cache_miss, repair=repair_to_proto(o.repair),
-                    batch_size=o.batch_size, replica=self.replica, compute_us=compute_us)
+                reply = verify_outcome_to_proto(outcomes[i], msg.call_id, self.replica,
+                                                compute_us)
             if span is not None:
                 _end_row_span(span, msg, reply)
             await replies.put(reply)
@@ -204,7 +195,7 @@ def _end_row_span(span: Span, msg: pb.VerifyRequest, reply: pb.VerifyReply) -> N
     span.end()
 
 
-async def start_target_server(engine: BatchedTarget, host: str = "127.0.0.1", port: int = 0,
+async def start_target_server(engine: TargetEngine, host: str = "127.0.0.1", port: int = 0,
                               replica: str = "target", **kw) -> tuple[grpc.aio.Server, int,
                                                                       TargetServicer]:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])

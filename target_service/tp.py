@@ -8,9 +8,9 @@ CPU, nccl on GPU) and loads the target with transformers' own tensor-parallel pl
 and MLP projections split column/row-wise, the LM head gathered, so every rank ends a
 forward with the full logits).
 
-Lockstep: rank 0 wraps its ``BatchedTarget`` in ``TPBatchedTarget`` (same interface). Every
+Lockstep: rank 0 wraps its ``TargetEngine`` in ``TPTargetEngine`` (same interface). Every
 operation is first broadcast to the other ranks (``broadcast_object_list``), then all ranks
-run the same ``BatchedTarget`` method; the model's collectives inside the forward keep them
+run the same ``TargetEngine`` method; the model's collectives inside the forward keep them
 in step. A session's state on every rank is its token list (a function of the verify items
 only) and its KV shard (its heads), so caches are repaired identically on every rank, and
 eviction (by bytes, per rank) makes the same decisions everywhere. Releases are queued and
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from target_service.engine import BatchedTarget, VerifyItem, VerifyOutcome
+from specserve.engine.target import TargetEngine, VerifyItem, VerifyOutcome
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +118,9 @@ def load_tp_model(path: str | Path, tp_size: int,
 
 
 def setup_rank(rank: int, world: int, host: str, port: int, backend: str, timeout_s: float,
-               path: str, cache_bytes: int, dtype: torch.dtype = torch.float32) -> BatchedTarget:
+               path: str, cache_bytes: int, dtype: torch.dtype = torch.float32) -> TargetEngine:
     init_rank(rank, world, host, port, backend, timeout_s)
-    return BatchedTarget(load_tp_model(path, world, dtype), cache_budget_bytes=cache_bytes,
+    return TargetEngine(load_tp_model(path, world, dtype), cache_budget_bytes=cache_bytes,
                          tp_size=world)
 
 
@@ -132,7 +132,7 @@ def _broadcast(op: _Op | None) -> _Op:
     return box[0]
 
 
-def _apply(engine: BatchedTarget, op: _Op) -> list[VerifyOutcome] | None:
+def _apply(engine: TargetEngine, op: _Op) -> list[VerifyOutcome] | None:
     kind, releases, payload = op
     for sid in releases:
         engine.release(sid)
@@ -151,7 +151,7 @@ class TPWorker:
 
         quiet_libraries()
         self.rank, self.world = rank, world
-        self.engine: BatchedTarget | None = None
+        self.engine: TargetEngine | None = None
 
     def setup(self, host: str, port: int, backend: str, timeout_s: float, path: str,
               cache_bytes: int) -> int:
@@ -196,10 +196,10 @@ class TPWorker:
 
 
 # ------------------------------------------------------------------ rank 0
-class TPBatchedTarget:
-    """Rank 0's engine: ``BatchedTarget``'s interface, every operation run on all ranks."""
+class TPTargetEngine:
+    """Rank 0's engine: ``TargetEngine``'s interface, every operation run on all ranks."""
 
-    def __init__(self, engine: BatchedTarget, workers: list[Any], heartbeat_s: float = 2.0):
+    def __init__(self, engine: TargetEngine, workers: list[Any], heartbeat_s: float = 2.0):
         self.engine = engine
         self.workers = workers  # Ray actor handles of ranks 1..N-1 (kept alive here)
         self.tp_size = len(workers) + 1
@@ -213,7 +213,7 @@ class TPBatchedTarget:
         self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="tp-heartbeat")
         self._beat.start()
 
-    # the BatchedTarget interface
+    # the TargetEngine interface
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
@@ -303,7 +303,7 @@ class TPBatchedTarget:
 async def start_tp_target(path: str | Path, tp_size: int, host: str, cache_bytes: int,
                           threads: int = 1, timeout_s: float = 30.0, num_cpus: float = 0.25,
                           num_gpus: float = 0, resources: dict[str, float] | None = None,
-                          heartbeat_s: float = 2.0) -> TPBatchedTarget:
+                          heartbeat_s: float = 2.0) -> TPTargetEngine:
     """From inside a replica: start ranks 1..tp_size-1 in the replica's placement group,
     join the group as rank 0, load every shard; returns rank 0's lockstep engine."""
     import ray
@@ -340,4 +340,4 @@ async def start_tp_target(path: str | Path, tp_size: int, host: str, cache_bytes
     for w in workers:
         w.serve.remote()
     log.info("tensor-parallel target: %d ranks (%s) on %s:%d", tp_size, backend, host, port)
-    return TPBatchedTarget(engine, workers, heartbeat_s=heartbeat_s)
+    return TPTargetEngine(engine, workers, heartbeat_s=heartbeat_s)

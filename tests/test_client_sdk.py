@@ -11,7 +11,6 @@ import asyncio
 import subprocess
 import sys
 import threading
-import types
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -24,15 +23,16 @@ from pydantic import ValidationError
 
 from specserve.api import GenerationRequest, describe_validation_error
 from specserve.client import AsyncClient, Chunk, Client, SpecServeError, health_check
+from specserve.errors import OutOfRange, Overloaded, RequestError, Unavailable
 from specserve.grpc_api import (
-    abort_invalid,
+    abort_with_status,
     chunk_to_proto,
     request_from_proto,
     request_to_proto,
     response_to_proto,
     stats_from_proto,
     stats_to_proto,
-    status_for,
+    status_of,
 )
 from specserve.proto_gen.specserve.v1 import specserve_pb2 as pb
 from specserve.proto_gen.specserve.v1 import specserve_pb2_grpc as pb_grpc
@@ -69,8 +69,8 @@ class FakeSpecServe(pb_grpc.SpecServeServicer):
         try:
             req = request_from_proto(request)
         except ValidationError as err:
-            await abort_invalid(context, err)
-            raise AssertionError("abort_invalid returned") from err
+            await abort_with_status(context, err)
+            raise AssertionError("abort_with_status returned") from err
         prompt = req.prompt or ""
         if prompt.startswith("unavailable:") and n_seen <= int(prompt.split(":")[1]):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
@@ -291,19 +291,20 @@ def test_request_from_proto_rejects_bad_values(fields: dict[str, Any], field: st
     with pytest.raises(ValidationError) as e:
         request_from_proto(pb.GenerateRequest(**fields))
     assert field in describe_validation_error(e.value)
-    code, message = status_for(e.value) or (None, "")
+    code, message = status_of(e.value)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and field in message
 
 
-def test_status_for_request_error_without_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    class RequestError(ValueError):
-        pass
-
-    monkeypatch.setitem(sys.modules, "specserve.engine.generator",
-                        types.SimpleNamespace(RequestError=RequestError))
-    err = RequestError("max_tokens: prompt (9 tokens) + max_tokens (64) exceeds the context")
-    assert status_for(err) == (grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    assert status_for(RuntimeError("boom")) is None
+def test_one_error_to_status_mapping() -> None:
+    """Every domain error maps to its status with its message; anything else INTERNAL."""
+    err = OutOfRange("max_tokens: prompt (9 tokens) + max_tokens (64) exceeds the context")
+    assert status_of(err) == (grpc.StatusCode.OUT_OF_RANGE, str(err))
+    for cls, code in ((RequestError, grpc.StatusCode.INVALID_ARGUMENT),
+                      (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                      (Unavailable, grpc.StatusCode.UNAVAILABLE)):
+        assert status_of(cls("why")) == (code, "why")
+    code, message = status_of(RuntimeError("boom"))
+    assert code == grpc.StatusCode.INTERNAL and "boom" in message
 
     class RayContext:  # Ray Serve's context sets the status instead of aborting
         code: Any = None
@@ -316,10 +317,8 @@ def test_status_for_request_error_without_the_engine(monkeypatch: pytest.MonkeyP
             self.details = d
 
     ctx = RayContext()
-    asyncio.run(abort_invalid(ctx, err))
-    assert (ctx.code, ctx.details) == (grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    with pytest.raises(RuntimeError):
-        asyncio.run(abort_invalid(ctx, RuntimeError("boom")))
+    asyncio.run(abort_with_status(ctx, err))
+    assert (ctx.code, ctx.details) == (grpc.StatusCode.OUT_OF_RANGE, str(err))
 
 
 def test_stats_round_trip() -> None:

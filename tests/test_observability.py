@@ -70,7 +70,7 @@ def _run(pair, req: GenerationRequest, request_id: str, *, drop_caches_after: in
             parent = trace.set_span_in_context(client)
         try:
             chunks = []
-            async for ch in svc.core.generate(req, request_id, parent):
+            async for ch in svc.router.generate(req, request_id, parent):
                 chunks.append(ch)
                 if len(chunks) == drop_caches_after:  # between rounds: lose both caches
                     for engine in (svc.target, svc.drafter):

@@ -167,8 +167,9 @@ def tiny_app(service):
 
     from deployments.app import build_app
 
-    serve.run(build_app({"target_cache_bytes": 1 << 16, "drafter_cache_bytes": 1 << 16,
-                         "max_concurrent": 8, "redis_url": service.redis_url}),
+    serve.run(build_app({"target": {"cache_bytes": 1 << 16},
+                         "drafter": {"cache_bytes": 1 << 16},
+                         "router": {"max_concurrent": 8}, "redis_url": service.redis_url}),
               name=TINY, route_prefix=f"/{TINY}")
     yield TINY
     serve.delete(TINY)

@@ -1,6 +1,7 @@
 """Multi-session engines of the drafter and target services, on the committed built-in pair.
 
-Driven in lock-step by ``router.rounds`` (no Ray, no gRPC, no mocks).
+Driven in lock-step (``specserve.engine.lockstep``: the one round per request, every live
+request's call in one engine call; no Ray, no gRPC, no mocks).
 """
 
 from __future__ import annotations
@@ -8,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_service.engine import DraftEngine, ProposeItem
-from router.rounds import LockstepDriver, RoundRequest, run_rounds
 from specserve.api import GenerationRequest
 from specserve.core.sampling import SamplingParams
-from target_service.engine import BatchedTarget, VerifyItem
+from specserve.engine.drafter import DrafterEngine, ProposeItem
+from specserve.engine.lockstep import Lockstep, run_lockstep
+from specserve.engine.target import TargetEngine, VerifyItem
 
 MAX_NEW = 24
 N_PROMPTS = 8
@@ -42,10 +43,10 @@ def references(generator, prompts) -> list[list[int]]:
             for ids in prompts]
 
 
-def greedy_requests(prompts: list[list[int]]) -> list[RoundRequest]:
+def greedy_requests(prompts: list[list[int]]) -> list[GenerationRequest]:
     """draft / ngram and k 2 / 4 mixed across rows."""
-    return [RoundRequest(f"g{j}", tuple(ids), MAX_NEW, k=2 if j % 2 else 4,
-                         mode="draft" if j % 4 < 2 else "ngram")
+    return [GenerationRequest(prompt_ids=ids, max_tokens=MAX_NEW, k=2 if j % 2 else 4,
+                              spec="draft" if j % 4 < 2 else "ngram")
             for j, ids in enumerate(prompts)]
 
 
@@ -57,16 +58,16 @@ SAMPLED = [  # (mode, k, temperature, top_k, top_p, seed)
 ]
 
 
-def sampled_requests(prompts: list[list[int]]) -> list[RoundRequest]:
-    return [RoundRequest(f"s{j}", tuple(prompts[j]), MAX_NEW, k=k, mode=mode,
-                         sampling=SamplingParams(t, tk, tp, seed))
+def sampled_requests(prompts: list[list[int]]) -> list[GenerationRequest]:
+    return [GenerationRequest(prompt_ids=prompts[j], max_tokens=MAX_NEW, k=k, spec=mode,
+                              temperature=t, top_k=tk, top_p=tp, seed=seed)
             for j, (mode, k, t, tk, tp, seed) in enumerate(SAMPLED)]
 
 
 def engines(builtin_pair, generator, target_budget: int = 512 << 20,
-            drafter_budget: int = 256 << 20) -> tuple[DraftEngine, BatchedTarget]:
-    return (DraftEngine(generator.lean, drafter_budget),
-            BatchedTarget(builtin_pair.target, target_budget))
+            drafter_budget: int = 256 << 20) -> tuple[DrafterEngine, TargetEngine]:
+    return (DrafterEngine(generator.lean, drafter_budget),
+            TargetEngine(builtin_pair.target, target_budget))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def sampled_alone(builtin_pair, generator, prompts) -> list[list[int]]:
     outs = []
     for req in sampled_requests(prompts):
         drafter, target = engines(builtin_pair, generator)
-        res = run_rounds(drafter, target, [req], builtin_pair.eos_token_id)
+        res = run_lockstep(drafter, target, [req], builtin_pair.eos_token_id)
         assert target.max_batch_size_seen == 1
         outs.append(res[0].output)
     return outs
@@ -84,16 +85,15 @@ def sampled_alone(builtin_pair, generator, prompts) -> list[list[int]]:
 def test_greedy_mixed_batch_equals_single_sequence(builtin_pair, generator, prompts,
                                                    references):
     drafter, target = engines(builtin_pair, generator)
-    res = run_rounds(drafter, target, greedy_requests(prompts), builtin_pair.eos_token_id)
+    res = run_lockstep(drafter, target, greedy_requests(prompts), builtin_pair.eos_token_id)
     assert [r.output for r in res] == references
-    assert {r.request.mode for r in res} == {"draft", "ngram"}
-    assert {r.request.k for r in res} == {2, 4}
+    assert {r.spec for r in res} == {"draft", "ngram"}
+    assert {r.k for r in res} == {2, 4}
     # all rows in one forward per round: batches really had several rows
     assert target.max_batch_size_seen == N_PROMPTS
-    assert all(r.batch_sizes[0] == N_PROMPTS for r in res)
-    assert target.forward_batches == max(r.rounds for r in res)
+    assert target.forward_batches == max(r.stats.acceptance.rounds for r in res)
     assert target.misses == 0 and drafter.misses == 0
-    assert sum(r.accepted for r in res) > 0  # it did speculate
+    assert sum(r.stats.acceptance.accepted_tokens for r in res) > 0  # it did speculate
     assert target.stats()["sessions"] == 0  # finished requests were released
 
 
@@ -101,16 +101,13 @@ def test_sampled_rows_do_not_depend_on_batch(builtin_pair, generator, prompts, r
                                              sampled_alone):
     mixed = sampled_requests(prompts) + greedy_requests(prompts)[len(SAMPLED):]
     drafter, target = engines(builtin_pair, generator)
-    res = run_rounds(drafter, target, mixed, builtin_pair.eos_token_id)
+    res = run_lockstep(drafter, target, mixed, builtin_pair.eos_token_id)
     assert target.max_batch_size_seen == N_PROMPTS
     assert [r.output for r in res[: len(SAMPLED)]] == sampled_alone
     assert [r.output for r in res[len(SAMPLED):]] == references[len(SAMPLED):]
     # the same seed through the single-process engine gives the same tokens too
     for req, alone in zip(sampled_requests(prompts), sampled_alone, strict=True):
-        s = req.sampling
-        _, out, _ = generator.generate(GenerationRequest(
-            prompt_ids=list(req.prompt_ids), max_tokens=MAX_NEW, spec=req.mode, k=req.k,
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed))
+        _, out, _ = generator.generate(req)
         assert out == alone
     assert len({tuple(o) for o in sampled_alone}) == len(SAMPLED)
 
@@ -120,11 +117,11 @@ def test_evictions_force_misses_and_outputs_are_unchanged(builtin_pair, generato
     reqs = greedy_requests(prompts)[:4] + sampled_requests(prompts)[:2]
     # a budget below one session: after each call every session outside it is evicted
     drafter, target = engines(builtin_pair, generator, target_budget=1, drafter_budget=1)
-    res = run_rounds(drafter, target, reqs, builtin_pair.eos_token_id, max_batch=3)
+    res = run_lockstep(drafter, target, reqs, builtin_pair.eos_token_id, max_batch=3)
     assert [r.output for r in res[:4]] == references[:4]
     assert [r.output for r in res[4:]] == sampled_alone[:2]
-    assert all(r.target_misses > 0 for r in res if r.rounds > 1)
-    assert sum(r.drafter_misses for r in res) > 0
+    assert all(r.repairs["target"].misses > 0 for r in res if r.stats.acceptance.rounds > 1)
+    assert sum(r.repairs["drafter"].misses for r in res) > 0
     assert target.stats()["evictions"] > 0 and target.stats()["misses"] > 0
     assert drafter.stats()["evictions"] > 0 and drafter.stats()["misses"] > 0
     assert target.max_batch_size_seen == 3
@@ -133,22 +130,25 @@ def test_evictions_force_misses_and_outputs_are_unchanged(builtin_pair, generato
 def test_restarted_engines_mid_request(builtin_pair, generator, prompts, references,
                                        sampled_alone):
     reqs = greedy_requests(prompts)[:4] + sampled_requests(prompts)[:2]
-    drafter, target = engines(builtin_pair, generator)
-    driver = LockstepDriver(drafter, target, reqs, builtin_pair.eos_token_id)
-    for _ in range(3):
-        assert driver.step()
-    driver.drafter, driver.target = engines(builtin_pair, generator)  # fresh replicas
-    res = driver.run()
+    fresh = engines(builtin_pair, generator)
+
+    def restart(lockstep: Lockstep) -> None:  # fresh replicas after the third round
+        if lockstep.rounds == 3 and lockstep.target is not fresh[1]:
+            lockstep.drafter, lockstep.target = fresh
+
+    res = run_lockstep(*engines(builtin_pair, generator), reqs, builtin_pair.eos_token_id,
+                       before_flush=restart)
     assert [r.output for r in res[:4]] == references[:4]
     assert [r.output for r in res[4:]] == sampled_alone[:2]
-    assert all(r.target_misses == 1 for r in res)  # one full resend, then incremental again
-    assert sum(r.drafter_misses for r in res) >= 1
-    assert driver.target.stats()["misses"] == len(reqs)
+    # one full resend each, then incremental again
+    assert all(r.repairs["target"].misses == 1 for r in res)
+    assert sum(r.repairs["drafter"].misses for r in res) >= 1
+    assert fresh[1].stats()["misses"] == len(reqs)
 
 
 def test_cache_miss_protocol_and_lru(builtin_pair, generator, prompts):
     ids = prompts[0]
-    target = BatchedTarget(builtin_pair.target, cache_budget_bytes=1)
+    target = TargetEngine(builtin_pair.target, cache_budget_bytes=1)
     greedy = SamplingParams()
 
     def vitem(sid: str, start: int, committed: list[int]) -> VerifyItem:
@@ -167,7 +167,7 @@ def test_cache_miss_protocol_and_lru(builtin_pair, generator, prompts):
     assert not target.has_session("b") and target.stats()["evictions"] == 1
     assert target.release("a") and not target.release("a")
 
-    drafter = DraftEngine(generator.lean)
+    drafter = DrafterEngine(generator.lean)
     assert drafter.propose([ProposeItem("x", len(ids), 3, ids[3:], 4, "draft", greedy)])[
         0].cache_miss
     out = drafter.propose([ProposeItem("x", len(ids), 0, ids, 4, "draft", greedy)])[0]
@@ -183,8 +183,8 @@ def test_cache_miss_protocol_and_lru(builtin_pair, generator, prompts):
 
 def test_bad_windows_raise(builtin_pair, generator, prompts):
     ids = prompts[0]
-    target = BatchedTarget(builtin_pair.target)
-    drafter = DraftEngine(generator.lean)
+    target = TargetEngine(builtin_pair.target)
+    drafter = DrafterEngine(generator.lean)
     g = SamplingParams()
     with pytest.raises(ValueError, match="tokens_start=9 must be in"):
         target.verify([VerifyItem("a", 5, 9, [], [], None, g)])

@@ -30,8 +30,8 @@ def test_tp2_verify_logits_match_tp1(tmp_path):
     state on both ranks (sessions, bytes, evictions)."""
     from tp_logits import record, verify_calls
 
+    from specserve.engine.target import TargetEngine
     from specserve.models.load import load_model, resolve_model
-    from target_service.engine import BatchedTarget
 
     port = free_port()
     out = tmp_path / "rank"
@@ -43,7 +43,7 @@ def test_tp2_verify_logits_match_tp1(tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    ref = BatchedTarget(load_model(resolve_model("builtin-target")))
+    ref = TargetEngine(load_model(resolve_model("builtin-target")))
     seen = record(ref)
     ref_out = [[vars(o) for o in ref.verify(items)] for items in verify_calls()]
     ranks = [torch.load(f"{out}.{r}.pt", weights_only=False) for r in range(2)]
@@ -66,9 +66,9 @@ def test_bad_tp_size_is_a_clear_error(tmp_path):
 
     with pytest.raises(ValueError, match=r"tp_size=3 does not divide the heads.*"
                                          r"num_attention_heads=4, num_key_value_heads=4"):
-        build_app({"tp_size": 3})
+        build_app({"target": {"tp_size": 3}})
     with pytest.raises(ValidationError):
-        AppConfig.model_validate({"tp_size": 0})
+        AppConfig.model_validate({"target": {"tp_size": 0}})
     # the CLI: exit 2 with the message, before Ray starts (its temp dir stays empty)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -88,10 +88,11 @@ def tp_app(service):
 
     from deployments.app import build_app
 
-    serve.run(build_app({"tp_size": 2, "redis_url": service.redis_url, "tp_heartbeat_s": 1.0,
-                         "tp_timeout_s": 20.0,
-                         "router": {"num_cpus": 0.1}, "drafter_scaling": {"num_cpus": 0.1},
-                         "target_scaling": {"num_cpus": 0.25}}),
+    serve.run(build_app({"redis_url": service.redis_url,
+                         "router": {"scaling": {"num_cpus": 0.1}},
+                         "drafter": {"scaling": {"num_cpus": 0.1}},
+                         "target": {"tp_size": 2, "tp_heartbeat_s": 1.0, "tp_timeout_s": 20.0,
+                                    "scaling": {"num_cpus": 0.25}}}),
               name=TP_APP, route_prefix=f"/{TP_APP}")
     yield TP_APP
     serve.delete(TP_APP)

@@ -14,8 +14,10 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -148,25 +150,18 @@ def _single_process(target: str, drafter: str, prompts: list[str], ks: list[int]
 
 
 def run_service_bench(
-    server: str | None, target: str, drafter: str, concurrency: list[int], ks: list[int],
-    max_tokens: int, out_dir: Path, requests_per_level: int = 8, ngram_k: int = 4,
+    server: str | Callable[..., Any], target: str, drafter: str, concurrency: list[int],
+    ks: list[int], max_tokens: int, out_dir: Path, requests_per_level: int = 8,
+    ngram_k: int = 4,
 ) -> dict:
+    """``server``: HOST:PORT of a running service, or a function that starts one locally
+    (``start_local(config, port=...)``; its router's round split is then reported too)."""
     service = None
     router_stats = None
-    if server is None:
-        from deployments.local import start_local
-
-        service = start_local({"target": target, "drafter": drafter}, port=_free_port())
+    if callable(server):
+        service = server({"models": {"target": target, "drafter": drafter}}, port=_free_port())
         server = service.grpc_address
-        from ray import serve
-
-        router = serve.get_deployment_handle("Router", "specserve")
-
-        def router_stats():
-            return router.stats.remote().result()
-
-        def reset():
-            router.reset_stats.remote().result()
+        router_stats, reset = service.router_stats, service.reset_router_stats
     prompts = heldout_prompts(n=max(requests_per_level, max(concurrency)))
     configs = [("off", {"spec": "off", "k": 0})]
     configs += [(f"draft_k{k}", {"spec": "draft", "k": k}) for k in ks]

@@ -15,8 +15,9 @@ import torch
 from tqdm import tqdm
 
 from specserve.api import GenerationRequest
+from specserve.contract import VerifyItem
+from specserve.core.sampling import SamplingParams
 from specserve.engine.generator import SpeculativeGenerator
-from specserve.engine.sessions import TargetSession
 from specserve.models.corpus import heldout_prompts
 from specserve.models.load import load_pair
 
@@ -35,13 +36,16 @@ def measure_costs(gen: SpeculativeGenerator, prompt_ids: list[int], ks: list[int
         cache.crop(len(ctx))
         lean.forward(cache, torch.tensor([ctx[-1]]))
 
-    sess = TargetSession(gen.pair.target)
-    sess.logits_for_block(ctx, [])
+    target = gen.target
+    greedy = SamplingParams()
 
     def target_block(n: int):
-        def run():
-            sess.logits_for_block(ctx, [ctx[0]] * (n - 1))
+        def run():  # the cache keeps ctx[:-1]: feeds the last token + n - 1 drafts
+            target.verify([VerifyItem("cost", len(ctx), 0, ctx, [ctx[0]] * (n - 1), None,
+                                      greedy)])
         return run
+
+    target_block(1)()
 
     fns = {"drafter_step_s": draft_step}
     for n in sorted({1, *(k + 1 for k in ks)}):

@@ -15,8 +15,10 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -84,8 +86,8 @@ def _add_derived(level: dict[str, dict], plain_step_ms: float | None) -> None:
             row["efficiency"] = round(row["speedup_vs_off"] / ideal, 3)
 
 
-def run_suite(server: str | None, target: str, drafter: str, levels: list[int], ks: list[int],
-              out_dir: Path, classes: dict[str, list[Prompt]] | None = None,
+def run_suite(server: str | Callable[..., Any], target: str, drafter: str, levels: list[int],
+              ks: list[int], out_dir: Path, classes: dict[str, list[Prompt]] | None = None,
               requests_per_level: int = 8, ngram_k: int = 4, baselines: bool = True,
               baseline_prompts: int = 3, poisson_rate: float | None = None,
               app_config: dict | None = None, baseline_max_tokens: int = 32) -> dict:
@@ -93,11 +95,9 @@ def run_suite(server: str | None, target: str, drafter: str, levels: list[int], 
     classes = {**classes, "mixed": [p for ps in classes.values() for p in ps[::2]]}
     configs = _configs(ks, ngram_k)
     service = None
-    if server is None:
-        from deployments.local import start_local
-
-        service = start_local({"target": target, "drafter": drafter, **(app_config or {})},
-                              port=_free_port())
+    if callable(server):  # a local service starter (``deployments.local.start_local``)
+        service = server({"models": {"target": target, "drafter": drafter},
+                          **(app_config or {})}, port=_free_port())
         server = service.grpc_address
     n_req = {c: max(requests_per_level, 2 * c) for c in levels}
     total = sum(n_req.values()) * len(configs) * len(classes)

@@ -5,7 +5,7 @@ protocol and for n-gram lookup) and, once a draft-model call arrives, a
 ``DraftModelSession`` (lean static KV cache, repaired by content with ``repair_plan``).
 Calls are served one item after another: a drafter step is a single-token forward of a
 small model, so batching it would not pay on CPU. Same ``tokens_start`` / ``cache_miss``
-protocol as the target (``target_service.engine``): an unknown session, or one that holds
+protocol as the target (``specserve.engine.target``): an unknown session, or one that holds
 fewer than ``tokens_start`` committed tokens, answers ``cache_miss`` and the caller resends
 the full committed list with ``tokens_start = 0``.
 """
@@ -14,40 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-import torch
-
+from specserve.contract import ProposeItem, ProposeOutcome
 from specserve.core.commit import check_tokens_window
 from specserve.core.ngram import propose_ngram
-from specserve.core.sampling import SamplingParams
 from specserve.engine.lean import LeanLlama
-from specserve.engine.sessions import DraftModelSession, RepairRecord
+from specserve.engine.sessions import DraftModelSession
 from specserve.service.lru import LRUSessions
 
+__all__ = ["DrafterEngine", "ProposeItem", "ProposeOutcome"]
 _TOKEN_BYTES = 8
-ProposeMode = Literal["draft", "ngram"]
-
-
-@dataclass
-class ProposeItem:
-    """One proposal request. ``tokens`` = committed[tokens_start:committed_len]."""
-
-    session_id: str
-    committed_len: int
-    tokens_start: int
-    tokens: list[int]
-    k: int
-    mode: ProposeMode
-    sampling: SamplingParams  # seed required when sampling in draft mode
-
-
-@dataclass
-class ProposeOutcome:
-    draft_tokens: list[int]
-    draft_probs: torch.Tensor | None  # [k, V]; None when greedy or ngram (one-hot)
-    cache_miss: bool
-    repair: RepairRecord | None  # None for ngram (no cache) and on a miss
 
 
 @dataclass
@@ -61,7 +37,7 @@ class _Session:
             self.committed)
 
 
-class DraftEngine(LRUSessions):
+class DrafterEngine(LRUSessions):
     """Draft-model and n-gram proposals for many sessions, with an LRU byte budget."""
 
     def __init__(self, lean: LeanLlama | None, cache_budget_bytes: int = 256 << 20,
@@ -115,7 +91,7 @@ class DraftEngine(LRUSessions):
             sess = self._sessions.get(it.session_id)
             if it.tokens_start > 0 and (sess is None or len(sess.committed) < it.tokens_start):
                 self.misses += 1
-                outcomes.append(ProposeOutcome([], None, True, None))
+                outcomes.append(ProposeOutcome([], None, cache_miss=True))
                 continue
             if sess is None:
                 sess = self._sessions[it.session_id] = _Session([])
@@ -125,13 +101,13 @@ class DraftEngine(LRUSessions):
             self.proposals += 1
             if it.mode == "ngram":
                 drafts = propose_ngram(sess.committed, it.k, self.ngram_max_n, self.ngram_min_n)
-                outcomes.append(ProposeOutcome(drafts, None, False, None))
+                outcomes.append(ProposeOutcome(drafts, None))
                 continue
             assert self.lean is not None  # checked
             if sess.model is None:
                 sess.model = DraftModelSession(self.lean)
             drafts, q, record = sess.model.propose(
                 sess.committed, it.k, it.sampling, it.sampling.seed or 0)
-            outcomes.append(ProposeOutcome(drafts, q, False, record))
+            outcomes.append(ProposeOutcome(drafts, q, repair=record))
         self._evict(served)
         return outcomes

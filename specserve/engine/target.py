@@ -28,43 +28,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+__all__ = ["TargetEngine", "VerifyItem", "VerifyOutcome"]
+
 import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specserve.contract import RepairRecord, VerifyItem, VerifyOutcome
 from specserve.core.commit import check_tokens_window, repair_plan
-from specserve.core.sampling import SamplingParams, params_tensors
+from specserve.core.sampling import params_tensors
 from specserve.core.verify import one_hot_q, verify_batch
-from specserve.engine.sessions import RepairRecord
 from specserve.service.lru import LRUSessions
 
 # Tokens per session recorded in the byte accounting beside the KV (a Python int list).
 _TOKEN_BYTES = 8
 _MIN_CAPACITY = 64
-
-
-@dataclass
-class VerifyItem:
-    """One row of a verify call. ``tokens`` = committed[tokens_start:committed_len]."""
-
-    session_id: str
-    committed_len: int
-    tokens_start: int
-    tokens: list[int]
-    draft_tokens: list[int]
-    draft_probs: torch.Tensor | None  # [k, V] q; None for greedy or n-gram (one-hot)
-    sampling: SamplingParams  # seed always set (required when sampling)
-
-
-@dataclass
-class VerifyOutcome:
-    num_accepted: int
-    extra_token: int  # recovered (num_accepted < k) or bonus token; -1 on a cache miss
-    bonus: bool
-    cache_miss: bool
-    repair: RepairRecord | None
-    batch_size: int  # rows in the forward this row was part of (0 on a cache miss)
 
 
 class _KV:
@@ -84,9 +63,8 @@ class _KV:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def append(self, new: torch.Tensor) -> None:  # new: [2, Ly, KVH, n, D]
-        n = new.shape[3]
-        end = self.length + n
+    def reserve(self, end: int) -> None:
+        """Capacity for ``end`` entries (grows by doubling; the only copy of the past)."""
         cap = self.buf.shape[3]
         if end > cap:
             grown = torch.empty(
@@ -94,6 +72,10 @@ class _KV:
                 dtype=self.dtype, device=self.device)
             grown[:, :, :, : self.length] = self.buf[:, :, :, : self.length]
             self.buf = grown
+
+    def append(self, new: torch.Tensor) -> None:  # new: [2, Ly, KVH, n, D]
+        end = self.length + new.shape[3]
+        self.reserve(end)
         self.buf[:, :, :, self.length : end] = new
         self.length = end
 
@@ -129,6 +111,10 @@ def _padded_past(config: object, kv: torch.Tensor, p: int) -> DynamicCache:
     return cache
 
 
+def _in_place_ok(config: object) -> bool:
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+
+
 def _read_back(cache: DynamicCache, kv: torch.Tensor, row: int, p: int, n: int) -> torch.Tensor:
     """Row ``row``'s n new entries after the forward: [2, Ly, KVH, n, D]."""
     if all(isinstance(layer, _InPlaceLayer) for layer in cache.layers):
@@ -159,7 +145,7 @@ class _Row:
     repair: RepairRecord
 
 
-class BatchedTarget(LRUSessions):
+class TargetEngine(LRUSessions):
     """Verifies draft blocks of many sessions with one target forward per call."""
 
     def __init__(self, model: torch.nn.Module, cache_budget_bytes: int = 512 << 20,
@@ -178,6 +164,7 @@ class BatchedTarget(LRUSessions):
                             or cfg.hidden_size // cfg.num_attention_heads)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.in_place = _in_place_ok(cfg)  # plain DynamicLayers: writable in place
         self.forward_batches = 0
         self.rows_verified = 0
         self.max_batch_size_seen = 0
@@ -267,21 +254,13 @@ class BatchedTarget(LRUSessions):
             # true positions; pads continue the count (masked, clamped into the table)
             positions[i] = (r.past_len + torch.arange(t)).clamp(max=self.max_context - 1)
 
-        # one buffer for the padded past and the new entries: [2, Ly, B, KVH, P+T, D]
-        kv = torch.empty((2, self.layers, b, self.kv_heads, p + t, self.head_dim),
-                         dtype=self.dtype, device=dev)
-        for i, r in enumerate(rows):
-            pad = p - r.past_len
-            kv[:, :, i, :, :pad] = 0.0  # masked; finite so 0-weights stay 0
-            kv[:, :, i, :, pad:p] = r.session.kv.buf[:, :, :, : r.past_len]
-        past = _padded_past(self.config, kv, p)
-
+        past, kv = self._past(rows, p, t)
         # logits only where some row needs them: from the earliest first-verified input on
         first = min(len(r.feed) - len(r.item.draft_tokens) - 1 for r in rows)
         padded = any(r.past_len != p or len(r.feed) != t for r in rows)
         out = self.model(
             input_ids=input_ids.to(dev), attention_mask=mask.to(dev) if padded else None,
-            position_ids=positions.to(dev), past_key_values=past, use_cache=True,
+            position_ids=positions.to(dev), cache=past, use_cache=True,
             logits_to_keep=t - first,
         )
         self.forward_batches += 1
@@ -297,12 +276,36 @@ class BatchedTarget(LRUSessions):
         logits = out.logits.float().gather(
             1, idx.to(dev)[:, :, None].expand(-1, -1, out.logits.shape[-1]))  # [B, K+1, V]
 
-        # append each row's real new KV entries to its own cache
+        # each row's real new KV entries into its own cache (written in place with one row)
         for i, r in enumerate(rows):
             n = len(r.feed)
-            r.session.kv.append(_read_back(past, kv, i, p, n))  # [2, Ly, KVH, n, D]
+            if kv is None:
+                r.session.kv.length = r.past_len + n
+            else:
+                r.session.kv.append(_read_back(past, kv, i, p, n))  # [2, Ly, KVH, n, D]
             r.session.tokens = [*r.committed, *r.item.draft_tokens]
         return logits.cpu()
+
+    def _past(self, rows: list[_Row], p: int, t: int) -> tuple[DynamicCache,
+                                                              torch.Tensor | None]:
+        """The past for the forward. One row: its own buffer, the new entries written in
+        place at their positions (no copy). Several rows: one buffer [2, Ly, B, KVH, P+T, D]
+        holding every row's past left-padded to P, the new entries written after it."""
+        if len(rows) == 1 and self.in_place:
+            r = rows[0]
+            r.session.kv.reserve(r.past_len + t)
+            buf = r.session.kv.buf  # [2, Ly, KVH, C, D]
+            cache = DynamicCache(config=self.config)
+            cache.layers = [_InPlaceLayer(buf[0, j][None], buf[1, j][None], r.past_len)
+                            for j in range(self.layers)]
+            return cache, None
+        kv = torch.empty((2, self.layers, len(rows), self.kv_heads, p + t, self.head_dim),
+                         dtype=self.dtype, device=self.device)
+        for i, r in enumerate(rows):
+            pad = p - r.past_len
+            kv[:, :, i, :, :pad] = 0.0  # masked; finite so 0-weights stay 0
+            kv[:, :, i, :, pad:p] = r.session.kv.buf[:, :, :, : r.past_len]
+        return _padded_past(self.config, kv, p), kv
 
     def _decide(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, int, bool]]:
         # logits: [B, K+1, V]

@@ -1,0 +1,245 @@
+"""The router: one request's lifecycle around the one round (``specserve.rounds``).
+
+Admission, validation, journal resume, replica leases (session affinity), then
+``speculate`` over per-request transports whose ``send`` is one message on the leased
+replica's shared bidi stream (``mux.py``); every round's committed tokens are journaled,
+then streamed. Observers (tracing, metrics, the timing window) are attached per request.
+The Serve deployment (``deployments/``) is a thin shell around it.
+
+Failures: a drafter that fails turns speculation off for the request (its stats say why);
+a target stream that breaks is re-leased with backoff (Serve picks a live replica) and the
+new replica rebuilds the session's cache from the committed tokens (full resend); a target
+that stays away gives ``Unavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from router.journal import Journal
+from router.leases import Lease
+from router.mux import StreamBroken
+from specserve import tracing
+from specserve.api import GenerationRequest, prepare_prompt
+from specserve.contract import ProposeOutcome, SessionProposer, SessionVerifier, VerifyOutcome
+from specserve.core.stats import AcceptanceStats
+from specserve.engine.detok import IncrementalDetokenizer
+from specserve.engine.generator import new_state
+from specserve.errors import Overloaded, ProposerFailed, Unavailable
+from specserve.observers import MetricsObserver, RoundTiming, TracingObserver
+from specserve.rounds import FixedK, Observer, Observers, RequestState, speculate
+from specserve.service import wire
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
+    from specserve.service.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+
+class LeasePool(Protocol):
+    async def acquire(self, session_id: str) -> Lease: ...
+
+
+@dataclass
+class RouterChunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+@dataclass
+class RouterConfig:
+    max_context: int
+    eos_token_id: int | None
+    vocab_size: int
+    call_timeout_s: float = 30.0
+    target_retries: int = 8  # reconnect attempts, backing off 0.25 s .. 4 s (~20 s in all)
+    max_concurrent: int = 256  # per router replica; beyond -> RESOURCE_EXHAUSTED
+
+
+def remote_send(lease: Lease, timeout_s: float, component: str) -> Callable[[Any], Awaitable]:
+    """The gRPC transport of a per-request proposer / verifier: one message each way on the
+    leased replica's stream. A replica's error reply raises: ``ProposerFailed`` (drafter),
+    ``StreamBroken`` for a target going away (``unavailable: ...``), else RuntimeError."""
+    encode, decode = ((wire.propose_item_to_proto, wire.propose_outcome_from_proto)
+                      if component == "drafter" else
+                      (wire.verify_item_to_proto, wire.verify_outcome_from_proto))
+
+    async def send(item: Any) -> ProposeOutcome | VerifyOutcome:
+        reply = await lease.mux.call(encode(item), timeout_s)
+        if reply.error:
+            if component == "drafter":
+                raise ProposerFailed(reply.error)
+            if reply.error.startswith("unavailable:"):  # the replica is going away
+                raise StreamBroken(reply.error)
+            raise RuntimeError(reply.error)
+        return decode(reply)
+
+    return send
+
+
+class RemoteVerifier(SessionVerifier):
+    """The target over the data path; a broken stream or a timeout leases a replica again
+    (backoff 0.25 s doubling to 4 s) and resends every committed token."""
+
+    def __init__(self, router: Router, session_id: str, lease: Lease):
+        self.router, self.session_id, self.lease = router, session_id, lease
+        super().__init__(remote_send(lease, router.cfg.call_timeout_s, "target"))
+
+    async def verify(self, state: RequestState, proposal: ProposeOutcome,
+                     traceparent: str) -> VerifyOutcome:
+        retries = self.router.cfg.target_retries
+        last: BaseException | None = None
+        for attempt in range(retries + 1):
+            try:
+                return await super().verify(state, proposal, traceparent)
+            except (StreamBroken, TimeoutError) as e:
+                last = e
+                log.warning("target call failed (%s); picking a replica again", e)
+                self.router.target_reconnects += 1
+                if attempt == retries:
+                    break
+                await asyncio.sleep(min(4.0, 0.25 * 2**attempt))
+                self.window.start = 0  # whoever answers next may hold nothing
+                try:
+                    self.lease.close()
+                    self.lease = await self.router.targets.acquire(self.session_id)
+                    self.send = remote_send(self.lease, self.router.cfg.call_timeout_s, "target")
+                except Exception as e2:  # no replica to lease
+                    last = e2
+        raise Unavailable(f"target unavailable after {retries} retries: {last}")
+
+
+class Router:
+    def __init__(self, tokenizer: Any, config: RouterConfig, drafters: LeasePool | None,
+                 targets: LeasePool, journal: Journal | None = None,
+                 revisions: tuple[str, str] = ("", ""), metrics: RouterMetrics | None = None):
+        self.tok = tokenizer
+        self.cfg = config
+        self.drafters = drafters
+        self.targets = targets
+        self.journal = journal or Journal(None)
+        self.revisions = revisions
+        self.metrics = metrics  # Prometheus (Serve deployment only); None: none
+        self.active = 0
+        self.target_reconnects = 0  # leases renewed after a target stream broke
+        self.timing = RoundTiming()  # bounded window of recent rounds (router_stats)
+        self.totals = AcceptanceStats()
+
+    async def generate(self, req: GenerationRequest, request_id: str | None = None,
+                       parent: Context | None = None) -> AsyncIterator[RouterChunk]:
+        """Stream the request's chunks. ``parent``: the caller's trace context (the client's
+        ``traceparent``); the request's ``generate`` span is its child."""
+        if self.active >= self.cfg.max_concurrent:
+            raise Overloaded(f"router at capacity ({self.cfg.max_concurrent} requests)")
+        self.active += 1
+        try:
+            async for chunk in self._generate(req, request_id or uuid.uuid4().hex, parent):
+                yield chunk
+        finally:
+            self.active -= 1
+
+    def _observer(self, req: GenerationRequest, parent: Context | None) -> Observer:
+        observers: list[Observer] = [self.timing]
+        if tracing.tracer() is not None:  # tracing off: no span code runs at all
+            observers.append(TracingObserver(parent, {
+                "specserve.spec_requested": req.spec.value,
+                "specserve.temperature": req.temperature}))
+        if self.metrics is not None:
+            observers.append(MetricsObserver(self.metrics))
+        return Observers(*observers)
+
+    async def _generate(self, req: GenerationRequest, request_id: str,
+                        parent: Context | None) -> AsyncIterator[RouterChunk]:
+        prompt = prepare_prompt(req, self.tok, self.cfg.vocab_size, self.cfg.max_context)
+        state = new_state(req, prompt, self.cfg.max_context, self.cfg.eos_token_id,
+                          self.revisions, request_id)
+        observer = self._observer(req, parent)
+        detok = IncrementalDetokenizer(self.tok, req.stop)
+        leases: dict[str, Lease] = {}
+        verifier: RemoteVerifier | None = None
+        error: BaseException | None = None
+        try:
+            resumed = await self._resume(state, detok)
+            if resumed is not None:
+                yield resumed
+            if state.finish is not None:
+                return
+            proposer = await self._proposer(state, leases)
+            verifier = await self._verifier(state)
+            async for o in speculate(state, proposer, verifier, FixedK(), observer, detok):
+                await self.journal.append(request_id, list(o.tokens))
+                if o.finish is None:
+                    yield RouterChunk(o.text, list(o.tokens))
+                else:
+                    await self.journal.finish(request_id, o.finish)
+                    yield RouterChunk(o.text, list(o.tokens), o.finish, state.stats.to_dict())
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            if verifier is not None:
+                leases["target"] = verifier.lease  # the last one leased
+            self._release(state, leases, observer, error)
+
+    async def _resume(self, state: RequestState,
+                      detok: IncrementalDetokenizer) -> RouterChunk | None:
+        """Tokens a previous attempt of this request id committed (the journal)."""
+        journaled, done = await self.journal.load(state.request_id)
+        if not journaled:
+            return None
+        journaled = journaled[: state.max_tokens]
+        state.commit(journaled)
+        text = detok.push(journaled)
+        finish = "stop" if detok.stopped else done
+        if finish is None and state.remaining <= 0:
+            finish = "length"
+        if finish is None:
+            state.stats.ttft_s = time.perf_counter() - state.t0
+            return RouterChunk(text, list(journaled))
+        state.finish_with(finish)
+        return RouterChunk(text + detok.flush(), list(journaled), finish, state.stats.to_dict())
+
+    async def _proposer(self, state: RequestState,
+                        leases: dict[str, Lease]) -> SessionProposer | None:
+        if state.spec == "off":
+            return None
+        if self.drafters is None:
+            state.disable_speculation("no drafter deployment")
+            return None
+        try:
+            leases["drafter"] = await self.drafters.acquire(state.session_id)
+        except Exception as e:
+            state.disable_speculation(f"drafter unavailable: {e}")
+            return None
+        return SessionProposer(remote_send(leases["drafter"], self.cfg.call_timeout_s,
+                                           "drafter"))
+
+    async def _verifier(self, state: RequestState) -> RemoteVerifier:
+        try:
+            lease = await self.targets.acquire(state.session_id)
+        except Exception as e:
+            raise Unavailable(f"no target replica: {e}") from e
+        return RemoteVerifier(self, state.session_id, lease)
+
+    def _release(self, state: RequestState, leases: dict[str, Lease], observer: Observer,
+                 error: BaseException | None) -> None:
+        """Free the session's caches at its replicas, close its leases, record the end."""
+        for component, lease in leases.items():
+            lease.mux.send_nowait(wire.release_message(component, state.session_id,
+                                                       state.request_id))
+            lease.close()
+        self.totals.merge(state.stats.acceptance)
+        try:
+            observer.request_end(state, error)
+        except Exception:  # observability must never fail a request
+            log.exception("recording the request's metrics / span failed")

@@ -1,0 +1,210 @@
+"""Observers of the round (``specserve.rounds.Observer``): OpenTelemetry spans, Prometheus
+metrics and the router's timing window. The round calls them; they never change it.
+
+Span names, attributes and metric names are documented in ``docs/observability.md``:
+``generate`` (one per request) -> ``round`` -> ``propose`` / ``verify`` (clients of the
+replicas' spans, via the W3C ``traceparent`` they return) and ``cache_repair``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from specserve import tracing
+from specserve.contract import ProposeOutcome, VerifyOutcome
+from specserve.rounds import Observer, RepairEvent, RequestState, RoundOutcome
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span
+
+    from specserve.service.metrics import RouterMetrics
+
+_CALL_SPANS = {"drafter": "propose", "target": "verify"}
+
+
+def record_error(span: Span, error: BaseException | None) -> None:
+    """Mark ``span`` failed by ``error`` (a cancellation is not an error: an attribute)."""
+    if error is None or not span.is_recording():
+        return
+    if isinstance(error, Exception):
+        from opentelemetry.trace import Status, StatusCode
+
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    else:  # GeneratorExit / CancelledError: the client went away
+        span.set_attribute("specserve.cancelled", True)
+
+
+class TracingObserver(Observer):
+    """One request's spans. ``request_attrs``: what the request asked for (spec_requested,
+    temperature), set on the ``generate`` span with the outcome at the end."""
+
+    def __init__(self, parent: Context | None, request_attrs: dict[str, Any]):
+        from opentelemetry.trace import SpanKind
+
+        self._tracer = tracing.tracer()
+        assert self._tracer is not None, "tracing is off: use no TracingObserver"
+        self._client = SpanKind.CLIENT
+        self.generate = self._tracer.start_span("generate", context=parent,
+                                                kind=SpanKind.SERVER)
+        self._gctx = tracing.parent_context(self.generate)
+        self._round: Span | None = None
+        self._rctx: Context | None = None
+        self._calls: dict[str, Span] = {}
+        self._attrs = request_attrs
+
+    def round_start(self, state: RequestState, k: int) -> None:
+        self._round = self._tracer.start_span("round", context=self._gctx)
+        self._rctx = tracing.parent_context(self._round)
+
+    def call_start(self, state: RequestState, component: str) -> str:
+        span = self._tracer.start_span(_CALL_SPANS[component], context=self._rctx,
+                                       kind=self._client)
+        self._calls[component] = span
+        return tracing.traceparent_of(span)
+
+    def call_end(self, state: RequestState, component: str,
+                 outcome: ProposeOutcome | VerifyOutcome | None,
+                 error: BaseException | None) -> None:
+        span = self._calls.pop(component, None)
+        if span is None:
+            return
+        if error is not None:
+            record_error(span, error)
+        elif outcome is not None and span.is_recording():
+            span.set_attribute("specserve.tokens_sent", outcome.call.tokens_sent)
+            if outcome.call.miss_ns is not None:
+                span.set_attribute("specserve.cache_miss", True)
+        span.end()
+
+    def _repair_span(self, e: RepairEvent) -> None:
+        if not (e.miss or e.reprefilled):
+            return
+        span = self._tracer.start_span("cache_repair", context=self._rctx, start_time=e.start_ns)
+        if span.is_recording():
+            span.set_attributes({
+                "specserve.component": e.component, "specserve.cache": "miss" if e.miss else "hit",
+                "specserve.rolled_back": e.rolled_back, "specserve.reprefilled": e.reprefilled,
+                "specserve.cached_before": e.cached_before, "specserve.kept": e.kept,
+                "specserve.fed": e.fed, "specserve.replica": e.replica})
+            span.end(end_time=e.end_ns)
+
+    def round_end(self, state: RequestState, o: RoundOutcome) -> None:
+        for e in o.repairs:
+            self._repair_span(e)
+        span, self._round = self._round, None
+        if span is None:
+            return
+        if span.is_recording():  # few attributes (each costs)
+            d_rep, t_rep = o.proposal.repair, o.verdict.repair
+            span.set_attributes({
+                "specserve.round": o.round_no, "specserve.k": o.k if o.drafted else 0,
+                "specserve.drafted": o.drafted, "specserve.accepted": o.decision.num_accepted,
+                "specserve.extra_token": ("bonus" if o.drafted and o.decision.bonus
+                                          else "recovered" if o.drafted else "plain"),
+                "specserve.committed_len": len(state.committed),
+                "specserve.batch_size": o.verdict.batch_size,
+                "specserve.drafter_rolled_back": d_rep.rolled_back if d_rep else 0,
+                "specserve.target_rolled_back": t_rep.rolled_back if t_rep else 0})
+        span.end()
+
+    def request_end(self, state: RequestState, error: BaseException | None) -> None:
+        for span in [*self._calls.values(), self._round]:
+            if span is not None:  # a round that failed
+                record_error(span, error)
+                span.end()
+        g = self.generate
+        if g.is_recording():
+            st, acc = state.stats, state.stats.acceptance
+            g.set_attributes({
+                **self._attrs, "specserve.request_id": state.request_id,
+                "specserve.session_id": state.session_id, "specserve.spec": state.spec,
+                "specserve.k": state.k if state.spec != "off" else 0,
+                "specserve.target_revision": st.target_revision,
+                "specserve.drafter_revision": st.drafter_revision,
+                "specserve.drafter_replica": state.replicas["drafter"],
+                "specserve.target_replica": state.replicas["target"],
+                "specserve.seed": st.seed, "specserve.prompt_tokens": st.prompt_tokens,
+                "specserve.output_tokens": st.output_tokens,
+                "gen_ai.usage.input_tokens": st.prompt_tokens,
+                "gen_ai.usage.output_tokens": st.output_tokens,
+                "specserve.finish_reason": state.finish or "abort",
+                "specserve.rounds": acc.rounds, "specserve.drafts": acc.drafts,
+                "specserve.draft_tokens": acc.draft_tokens,
+                "specserve.accepted_tokens": acc.accepted_tokens,
+                "specserve.bonus_tokens": acc.bonus_tokens,
+                "specserve.mean_acceptance_length": acc.mean_acceptance_length,
+                "specserve.ttft_s": st.ttft_s,
+                "specserve.speculation_disabled_reason": st.speculation_disabled_reason,
+                "specserve.cache_repairs": sum(t.repairs for t in state.repairs.values()),
+                "specserve.cache_misses": sum(t.misses for t in state.repairs.values())})
+        record_error(g, error)
+        g.end()
+
+
+class MetricsObserver(Observer):
+    """One request's Prometheus observations into the replica's ``RouterMetrics``."""
+
+    def __init__(self, metrics: RouterMetrics):
+        self.m = metrics
+        self._first = True
+        self._last = 0.0
+
+    def round_end(self, state: RequestState, o: RoundOutcome) -> None:
+        d_compute = o.proposal.call.compute_s if o.drafted else 0.0
+        self.m.round(state.spec, o.round_s, o.propose_s, o.verify_s, d_compute,
+                     o.verdict.call.compute_s, o.drafted, len(o.decision.tokens))
+        if self._first:
+            self.m.first_token(state.spec, state.stats.ttft_s)
+            self._first = False
+        elif o.tokens:
+            self.m.inter_token(state.spec, (state.last_commit_t - self._last) / len(o.tokens))
+        self._last = state.last_commit_t
+
+    def request_end(self, state: RequestState, error: BaseException | None) -> None:
+        st = state.stats
+        self.m.request_end(state.spec, state.finish or "abort", st.acceptance, st.prompt_tokens,
+                           st.output_tokens, st.total_s or (self._last - state.t0))
+        for component, t in state.repairs.items():
+            self.m.cache(component, t.repairs, t.misses, t.rolled_back, t.reprefilled)
+
+
+def _window() -> deque:
+    return deque(maxlen=50_000)
+
+
+@dataclass
+class RoundTiming(Observer):
+    """The router's recent rounds (bounded): the per-round split for ``router_stats``.
+    *_compute_s are the replicas' own compute times. Shared by every request."""
+
+    propose_s: deque = field(default_factory=_window)
+    verify_s: deque = field(default_factory=_window)
+    round_s: deque = field(default_factory=_window)
+    drafter_compute_s: deque = field(default_factory=_window)
+    target_compute_s: deque = field(default_factory=_window)
+
+    def round_end(self, state: RequestState, o: RoundOutcome) -> None:
+        self.propose_s.append(o.propose_s)
+        self.verify_s.append(o.verify_s)
+        self.round_s.append(o.round_s)
+        self.drafter_compute_s.append(o.proposal.call.compute_s if o.drafted else 0.0)
+        self.target_compute_s.append(o.verdict.call.compute_s)
+
+    def snapshot(self) -> dict[str, list[float]]:
+        """A consistent copy (rounds append from the event loop; readers may be elsewhere)."""
+        names = ("propose_s", "verify_s", "round_s", "drafter_compute_s", "target_compute_s")
+        while True:
+            try:
+                snap = {n: list(getattr(self, n)) for n in names}
+            except RuntimeError:  # "deque mutated during iteration": read again
+                continue
+            n = min(len(v) for v in snap.values())
+            return {k: v[len(v) - n:] for k, v in snap.items()}
+
+    def clear(self) -> None:
+        for n in ("propose_s", "verify_s", "round_s", "drafter_compute_s", "target_compute_s"):
+            getattr(self, n).clear()
