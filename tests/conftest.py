@@ -9,6 +9,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Test tiers: ``service`` = needs a Ray cluster (the shared ``service`` fixture, or its
+    own); every other test is ``unit`` (no Ray). ``slow`` is marked by hand (> ~5 s)."""
+    for item in items:
+        if "service" in item.fixturenames and not item.get_closest_marker("service"):
+            item.add_marker(pytest.mark.service)
+        if not item.get_closest_marker("service") and not item.get_closest_marker("unit"):
+            item.add_marker(pytest.mark.unit)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _quiet():
     import torch

@@ -45,3 +45,21 @@ def test_bad_input_exits_2_with_a_reason(args, needle):
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert needle in out.stderr
     assert out.stdout == ""
+
+
+@pytest.mark.service
+@pytest.mark.slow
+def test_demo_stdout_is_only_the_generated_text(generator):
+    """`specserve demo ... > out.txt` leaves exactly the generated text in out.txt: Ray's
+    own lines (its log forwarding, shutdown messages) go to stderr."""
+    from specserve.api import GenerationRequest
+
+    prompt = "def fibonacci(n):"
+    text, _, _ = generator.generate(GenerationRequest(prompt=prompt, max_tokens=24, k=4))
+    out = subprocess.run(
+        ["scripts/isolated", sys.executable, "-m", "specserve.cli", "demo", prompt,
+         "--max-tokens", "24"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == text + "\n", (out.stdout, out.stderr[-2000:])
+    assert "[specserve] 24 tokens" in out.stderr
