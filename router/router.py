@@ -10,6 +10,14 @@ Failures: a drafter that fails turns speculation off for the request (its stats 
 a target stream that breaks is re-leased with backoff (Serve picks a live replica) and the
 new replica rebuilds the session's cache from the committed tokens (full resend); a target
 that stays away gives ``Unavailable``.
+
+Exactly once: the journal (``journal.py``) is a cache bound to the request's content digest;
+the effective seed is fixed at the start (the request's, or derived from caller, id and
+digest), so a resume that finds the journal missing or short regenerates the same tokens.
+A retried stream says what the caller holds (``ResumePoint``); only the rest is sent, after
+checking the regenerated prefix against the caller's digest. A cancel or a passed deadline
+stops the request within the round in flight (``abort`` / ``deadline`` in the metrics) and
+frees its admission slot.
 """
 
 from __future__ import annotations
@@ -19,20 +27,34 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from router.journal import Journal
+from router.journal import Entry, Journal
 from router.leases import Lease
 from router.mux import StreamBroken
 from specserve import tracing
-from specserve.api import GenerationRequest, prepare_prompt
-from specserve.contract import ProposeOutcome, SessionProposer, SessionVerifier, VerifyOutcome
+from specserve.api import GenerationRequest, TokenLogprob, prepare_prompt
+from specserve.contract import (
+    ProposeOutcome,
+    SessionProposer,
+    SessionVerifier,
+    VerifyOutcome,
+)
 from specserve.core.stats import AcceptanceStats
 from specserve.engine.detok import IncrementalDetokenizer
 from specserve.engine.generator import new_state
-from specserve.errors import Overloaded, ProposerFailed, Unavailable
+from specserve.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    Overloaded,
+    ProposerFailed,
+    RequestError,
+    Unavailable,
+)
 from specserve.observers import MetricsObserver, RoundTiming, TracingObserver
+from specserve.resume import CALLER_ANONYMOUS, ResumePoint, derive_seed, request_digest
+from specserve.resume import tokens_digest as held_digest
 from specserve.rounds import FixedK, Observer, Observers, RequestState, speculate
 from specserve.service import wire
 
@@ -54,6 +76,7 @@ class RouterChunk:
     token_ids: list[int]
     finish_reason: str | None = None
     stats: dict | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked
 
 
 @dataclass
@@ -64,6 +87,49 @@ class RouterConfig:
     call_timeout_s: float = 30.0
     target_retries: int = 8  # reconnect attempts, backing off 0.25 s .. 4 s (~20 s in all)
     max_concurrent: int = 256  # per router replica; beyond -> RESOURCE_EXHAUSTED
+
+
+@dataclass
+class Call:
+    """Who asks, what they already hold, until when (from the ingress's metadata)."""
+
+    caller: str = CALLER_ANONYMOUS
+    resume: ResumePoint = field(default_factory=ResumePoint)
+    deadline: float | None = None  # time.monotonic() after which the request stops
+
+
+class Delivery:
+    """Cuts what the caller already holds (a resume point) from the chunks, and checks the
+    regenerated prefix against the digest of the tokens the caller holds."""
+
+    def __init__(self, point: ResumePoint):
+        self.point = point
+        self.tokens = 0
+        self.chars = 0
+        self._held: list[int] = []
+
+    def cut(self, chunk: RouterChunk) -> RouterChunk | None:
+        t0, c0, p = self.tokens, self.chars, self.point
+        self.tokens += len(chunk.token_ids)
+        self.chars += len(chunk.text)
+        if t0 < p.tokens:
+            self._held.extend(chunk.token_ids[: p.tokens - t0])
+            if self.tokens >= p.tokens and held_digest(self._held) != p.digest:
+                raise DataLoss("the tokens regenerated for this request differ from the ones "
+                               "the caller holds (another model revision?); not resumable")
+        if chunk.finish_reason is not None and self.tokens < p.tokens:
+            raise RequestError(f"specserve-resume: the caller holds {p.tokens} tokens, the "
+                               f"request produced {self.tokens}")
+        cut_t, cut_c = max(0, p.tokens - t0), max(0, p.chars - c0)
+        if cut_t == 0 and cut_c == 0:
+            return chunk
+        lps = getattr(chunk, "logprobs", None)
+        if lps is not None:
+            chunk.logprobs = lps[cut_t:]
+        chunk.text, chunk.token_ids = chunk.text[cut_c:], chunk.token_ids[cut_t:]
+        if not chunk.token_ids and not chunk.text and chunk.finish_reason is None:
+            return None
+        return chunk
 
 
 def remote_send(lease: Lease, timeout_s: float, component: str) -> Callable[[Any], Awaitable]:
@@ -81,6 +147,8 @@ def remote_send(lease: Lease, timeout_s: float, component: str) -> Callable[[Any
                 raise ProposerFailed(reply.error)
             if reply.error.startswith("unavailable:"):  # the replica is going away
                 raise StreamBroken(reply.error)
+            if reply.error.startswith("overloaded:"):  # its bounded queue is full
+                raise Overloaded(f"target {reply.error}")
             raise RuntimeError(reply.error)
         return decode(reply)
 
@@ -119,6 +187,13 @@ class RemoteVerifier(SessionVerifier):
         raise Unavailable(f"target unavailable after {retries} retries: {last}")
 
 
+def _check_deadline(call: Call, state: RequestState | None) -> None:
+    """Between rounds: a passed deadline stops the request (at most one more round ran)."""
+    if call.deadline is not None and time.monotonic() >= call.deadline:
+        done = f" after {len(state.output)} tokens" if state is not None else ""
+        raise DeadlineExceeded(f"the caller's deadline passed{done}")
+
+
 class Router:
     def __init__(self, tokenizer: Any, config: RouterConfig, drafters: LeasePool | None,
                  targets: LeasePool, journal: Journal | None = None,
@@ -136,15 +211,22 @@ class Router:
         self.totals = AcceptanceStats()
 
     async def generate(self, req: GenerationRequest, request_id: str | None = None,
-                       parent: Context | None = None) -> AsyncIterator[RouterChunk]:
+                       parent: Context | None = None,
+                       call: Call | None = None) -> AsyncIterator[RouterChunk]:
         """Stream the request's chunks. ``parent``: the caller's trace context (the client's
-        ``traceparent``); the request's ``generate`` span is its child."""
+        ``traceparent``); the request's ``generate`` span is its child. ``call``: the
+        caller's identity, resume point and deadline."""
         if self.active >= self.cfg.max_concurrent:
             raise Overloaded(f"router at capacity ({self.cfg.max_concurrent} requests)")
+        call = call or Call()
         self.active += 1
         try:
-            async for chunk in self._generate(req, request_id or uuid.uuid4().hex, parent):
-                yield chunk
+            delivery = Delivery(call.resume)
+            async for chunk in self._generate(req, request_id or uuid.uuid4().hex, parent,
+                                              call):
+                out = delivery.cut(chunk)
+                if out is not None:
+                    yield out
         finally:
             self.active -= 1
 
@@ -158,18 +240,29 @@ class Router:
             observers.append(MetricsObserver(self.metrics))
         return Observers(*observers)
 
-    async def _generate(self, req: GenerationRequest, request_id: str,
-                        parent: Context | None) -> AsyncIterator[RouterChunk]:
+    def _state(self, req: GenerationRequest, request_id: str,
+               call: Call) -> tuple[RequestState, str]:
+        """The request's state with its effective seed fixed, and its content digest."""
         prompt = prepare_prompt(req, self.tok, self.cfg.vocab_size, self.cfg.max_context)
-        state = new_state(req, prompt, self.cfg.max_context, self.cfg.eos_token_id,
-                          self.revisions, request_id)
+        digest = request_digest(req.model_dump(mode="json"))
+        if req.seed is None:  # reproducible without the journal
+            req = req.model_copy(update={"seed": derive_seed(call.caller, request_id, digest)})
+        return new_state(req, prompt, self.cfg.max_context, self.cfg.eos_token_id,
+                         self.revisions, request_id), digest
+
+    async def _generate(self, req: GenerationRequest, request_id: str,
+                        parent: Context | None, call: Call) -> AsyncIterator[RouterChunk]:
+        _check_deadline(call, None)
+        state, digest = self._state(req, request_id, call)
         observer = self._observer(req, parent)
         detok = IncrementalDetokenizer(self.tok, req.stop)
         leases: dict[str, Lease] = {}
         verifier: RemoteVerifier | None = None
         error: BaseException | None = None
         try:
-            resumed = await self._resume(state, detok)
+            entry = await self.journal.open(call.caller, request_id, digest,
+                                            state.sampling.seed or 0)
+            resumed = self._resume(state, detok, entry)
             if resumed is not None:
                 yield resumed
             if state.finish is not None:
@@ -177,37 +270,41 @@ class Router:
             proposer = await self._proposer(state, leases)
             verifier = await self._verifier(state)
             async for o in speculate(state, proposer, verifier, FixedK(), observer, detok):
-                await self.journal.append(request_id, list(o.tokens))
+                await self.journal.append(entry, list(o.tokens), o.finish)  # before streaming
                 if o.finish is None:
-                    yield RouterChunk(o.text, list(o.tokens))
+                    yield RouterChunk(o.text, list(o.tokens), logprobs=o.logprobs)
+                    _check_deadline(call, state)
                 else:
-                    await self.journal.finish(request_id, o.finish)
-                    yield RouterChunk(o.text, list(o.tokens), o.finish, state.stats.to_dict())
+                    yield RouterChunk(o.text, list(o.tokens), o.finish, state.stats.to_dict(),
+                                      o.logprobs)
         except BaseException as e:
             error = e
+            if state.finish is None:  # counted as such in the metrics, not as "length"
+                state.finish_with("deadline" if isinstance(e, DeadlineExceeded) else "abort")
             raise
         finally:
             if verifier is not None:
                 leases["target"] = verifier.lease  # the last one leased
             self._release(state, leases, observer, error)
 
-    async def _resume(self, state: RequestState,
-                      detok: IncrementalDetokenizer) -> RouterChunk | None:
-        """Tokens a previous attempt of this request id committed (the journal)."""
-        journaled, done = await self.journal.load(state.request_id)
-        if not journaled:
+    def _resume(self, state: RequestState, detok: IncrementalDetokenizer,
+                entry: Entry | None) -> RouterChunk | None:
+        """Tokens a previous attempt of this request committed (its journal entry). A
+        finish reason counts only as journaled with the last tokens (one atomic write); a
+        missing or short entry just means the rest is regenerated."""
+        if entry is None or not entry.tokens:
             return None
-        journaled = journaled[: state.max_tokens]
-        state.commit(journaled)
-        text = detok.push(journaled)
-        finish = "stop" if detok.stopped else done
+        state.commit(entry.tokens)
+        text = detok.push(entry.tokens)
+        finish = "stop" if detok.stopped else entry.finish
         if finish is None and state.remaining <= 0:
             finish = "length"
+        state.stats.ttft_s = time.perf_counter() - state.t0
         if finish is None:
-            state.stats.ttft_s = time.perf_counter() - state.t0
-            return RouterChunk(text, list(journaled))
+            return RouterChunk(text, list(entry.tokens))
         state.finish_with(finish)
-        return RouterChunk(text + detok.flush(), list(journaled), finish, state.stats.to_dict())
+        return RouterChunk(text + detok.flush(), list(entry.tokens), finish,
+                           state.stats.to_dict())
 
     async def _proposer(self, state: RequestState,
                         leases: dict[str, Lease]) -> SessionProposer | None:

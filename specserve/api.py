@@ -5,6 +5,7 @@ No torch here: the light client install imports it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -12,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_K = 16
 MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256  # per stop string
+MAX_PROMPT_CHARS = 16 << 20  # a backstop; the service's byte limit is lower
+MAX_PROMPT_IDS = 1 << 20
+MAX_LOGPROBS = 20
 
 
 class SpecMode(StrEnum):
@@ -20,13 +25,24 @@ class SpecMode(StrEnum):
     NGRAM = "ngram"  # prompt lookup proposes (q one-hot)
 
 
+@dataclass
+class TokenLogprob:
+    """The target's log-probability of one generated token and the top-n of its position
+    (``core/logprobs.py`` says which distribution)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # most likely first
+
+
 class GenerationRequest(BaseModel):
     """One generation. Either ``prompt`` (text) or ``prompt_ids`` (token ids)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | None = Field(None, description="prompt text")
-    prompt_ids: list[int] | None = Field(None, description="prompt as token ids")
+    prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS, description="prompt text")
+    prompt_ids: list[int] | None = Field(None, max_length=MAX_PROMPT_IDS,
+                                         description="prompt as token ids")
     max_tokens: int = Field(64, ge=1, le=1 << 16, description="tokens to generate at most")
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy")
     top_k: int = Field(0, ge=0, le=1 << 20, description="0 = off")
@@ -36,6 +52,9 @@ class GenerationRequest(BaseModel):
     spec: SpecMode = Field(SpecMode.DRAFT, description="speculation mode")
     k: int = Field(4, ge=0, le=MAX_K, description="draft tokens per round")
     request_id: str | None = Field(None, max_length=128)
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="the target's logprob of each generated "
+        "token and the top-n alternatives (0..20); None = none")
 
     @field_validator("stop")
     @classmethod
@@ -44,6 +63,8 @@ class GenerationRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in v):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")

@@ -38,7 +38,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from specserve.grpc_api import SPEC_TO_PROTO, stats_from_proto
+from specserve.api import TokenLogprob
+from specserve.grpc_api import SPEC_TO_PROTO, logprobs_from_proto, stats_from_proto
 from specserve.proto_gen.specserve.v1 import specserve_pb2 as pb
 from specserve.proto_gen.specserve.v1 import specserve_pb2_grpc as pb_grpc
 
@@ -76,6 +77,7 @@ class Result:
     finish_reason: str
     stats: dict[str, Any]
     request_id: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked
 
 
 @dataclass
@@ -86,6 +88,7 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked
 
 
 def _check(name: str, value: Any, types: type | tuple[type, ...], *, minimum: float | None = None,
@@ -102,7 +105,7 @@ def _check(name: str, value: Any, types: type | tuple[type, ...], *, minimum: fl
 def _build_request(
     prompt: str | None, prompt_ids: Sequence[int] | None, max_tokens: int, temperature: float,
     top_k: int, top_p: float, seed: int | None, stop: Sequence[str], spec: str, k: int,
-    request_id: str | None,
+    request_id: str | None, logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """The wire request; light type checks only (the server validates values)."""
     _check("prompt", prompt, str, optional=True)
@@ -134,6 +137,9 @@ def _build_request(
     )
     if seed is not None:
         msg.seed = seed
+    _check("logprobs", logprobs, int, minimum=0, optional=True)
+    if logprobs is not None:
+        msg.logprobs = logprobs
     return msg
 
 
@@ -153,12 +159,13 @@ def _trace_metadata() -> tuple[tuple[str, str], ...]:
 
 def _chunk(msg: pb.GenerateChunk) -> Chunk:
     return Chunk(msg.text, list(msg.token_ids), msg.finish_reason or None,
-                 stats_from_proto(msg.stats) if msg.HasField("stats") else None)
+                 stats_from_proto(msg.stats) if msg.HasField("stats") else None,
+                 logprobs_from_proto(msg.logprobs) if len(msg.logprobs) else None)
 
 
 def _result(msg: pb.GenerateResponse, request_id: str) -> Result:
     return Result(msg.text, list(msg.token_ids), msg.finish_reason, stats_from_proto(msg.stats),
-                  request_id)
+                  request_id, logprobs_from_proto(msg.logprobs) if len(msg.logprobs) else None)
 
 
 class _Base:
@@ -244,10 +251,10 @@ class Client(_Base):
                  max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                  spec: str = "draft", k: int = 4, request_id: str | None = None,
-                 timeout: float | None = None) -> Result:
+                 timeout: float | None = None, logprobs: int | None = None) -> Result:
         """The whole generation in one call (the unary RPC)."""
         req = _build_request(prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed,
-                             stop, spec, k, request_id)
+                             stop, spec, k, request_id, logprobs)
         deadline = self._deadline(timeout)
         metadata = self._metadata(req.request_id)
         attempt = 0
@@ -267,11 +274,12 @@ class Client(_Base):
                max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                spec: str = "draft", k: int = 4, request_id: str | None = None,
-               timeout: float | None = None) -> Generator[Chunk, None, None]:
+               timeout: float | None = None,
+               logprobs: int | None = None) -> Generator[Chunk, None, None]:
         """Text deltas as they are generated. Arguments are checked now; the call starts at
         the first ``next()``. ``close()`` the generator to cancel the call."""
         req = _build_request(prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed,
-                             stop, spec, k, request_id)
+                             stop, spec, k, request_id, logprobs)
         return self._stream(req, self._deadline(timeout))
 
     def _stream(self, req: pb.GenerateRequest, deadline: float) -> Generator[Chunk, None, None]:
@@ -329,10 +337,10 @@ class AsyncClient(_Base):
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                        seed: int | None = None, stop: Sequence[str] = (), spec: str = "draft",
                        k: int = 4, request_id: str | None = None,
-                       timeout: float | None = None) -> Result:
+                       timeout: float | None = None, logprobs: int | None = None) -> Result:
         """The whole generation in one call (the unary RPC)."""
         req = _build_request(prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed,
-                             stop, spec, k, request_id)
+                             stop, spec, k, request_id, logprobs)
         deadline = self._deadline(timeout)
         metadata = self._metadata(req.request_id)
         attempt = 0
@@ -352,12 +360,13 @@ class AsyncClient(_Base):
                max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                spec: str = "draft", k: int = 4, request_id: str | None = None,
-               timeout: float | None = None) -> AsyncGenerator[Chunk, None]:
+               timeout: float | None = None,
+               logprobs: int | None = None) -> AsyncGenerator[Chunk, None]:
         """Text deltas as an async iterator (``async for``). Arguments are checked now; the
         call starts at the first ``__anext__``. ``await it.aclose()`` to cancel the call
         (leaving an ``async for`` early cancels it only when the generator is finalized)."""
         req = _build_request(prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed,
-                             stop, spec, k, request_id)
+                             stop, spec, k, request_id, logprobs)
         return self._stream(req, self._deadline(timeout))
 
     async def _stream(self, req: pb.GenerateRequest,

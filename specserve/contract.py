@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 
+from specserve.api import TokenLogprob
 from specserve.core.sampling import SamplingParams
 from specserve.errors import ProposerFailed
 
@@ -97,6 +98,7 @@ class VerifyItem:
     sampling: SamplingParams  # seed always set (required when sampling)
     request_id: str = ""
     traceparent: str = ""
+    logprobs: int | None = None  # top-n logprobs wanted for the committed tokens (0..20)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class VerifyOutcome:
     repair: RepairRecord | None = None
     batch_size: int = 0  # rows in the forward this row was part of (0 on a cache miss)
     call: CallInfo = field(default_factory=CallInfo)
+    logprobs: list[TokenLogprob] | None = None  # accepted drafts + extra token, if asked
 
 
 NO_PROPOSAL = ProposeOutcome([], None)
@@ -185,6 +188,6 @@ class SessionVerifier:
         def item(start: int) -> VerifyItem:
             return VerifyItem(state.session_id, len(committed), start, committed[start:],
                               list(proposal.draft_tokens), proposal.draft_probs, state.sampling,
-                              state.request_id, traceparent)
+                              state.request_id, traceparent, state.logprobs)
 
         return await call_with_resend(self.send, item, self.window, len(committed))

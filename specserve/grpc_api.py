@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from pydantic import ValidationError
 
-from specserve.api import GenerationRequest, describe_validation_error
+from specserve.api import GenerationRequest, TokenLogprob, describe_validation_error
 from specserve.errors import ServiceError
 from specserve.proto_gen.specserve.v1 import specserve_pb2 as pb
 
@@ -52,6 +52,16 @@ def _from_f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
+def logprobs_to_proto(lps: Sequence[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token=t.token, logprob=t.logprob, top_tokens=[i for i, _ in t.top],
+                            top_logprobs=[v for _, v in t.top]) for t in lps or ()]
+
+
+def logprobs_from_proto(msgs: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token, m.logprob, list(zip(m.top_tokens, m.top_logprobs,
+                                                      strict=True))) for m in msgs]
+
+
 def request_from_proto(msg: pb.GenerateRequest) -> GenerationRequest:
     """The validated request; raises pydantic.ValidationError naming the offending field."""
     prompt_ids = list(msg.prompt_ids)
@@ -71,6 +81,7 @@ def request_from_proto(msg: pb.GenerateRequest) -> GenerationRequest:
         "spec": spec,
         "k": msg.k if msg.HasField("k") else DEFAULT_K,
         "request_id": msg.request_id or None,
+        "logprobs": msg.logprobs if msg.HasField("logprobs") else None,
     }
     return GenerationRequest.model_validate(data)
 
@@ -84,6 +95,8 @@ def request_to_proto(req: GenerationRequest) -> pb.GenerateRequest:
     )
     if req.seed is not None:
         msg.seed = req.seed
+    if req.logprobs is not None:
+        msg.logprobs = req.logprobs
     return msg
 
 
@@ -129,19 +142,22 @@ def stats_from_proto(msg: pb.GenerateStats) -> dict[str, Any]:
 
 
 def chunk_to_proto(text: str, token_ids: Iterable[int], finish_reason: str | None = None,
-                   stats: Mapping[str, Any] | Any | None = None) -> pb.GenerateChunk:
+                   stats: Mapping[str, Any] | Any | None = None,
+                   logprobs: Sequence[TokenLogprob] | None = None) -> pb.GenerateChunk:
     """One streamed chunk; give finish_reason and stats on the last chunk only."""
-    msg = pb.GenerateChunk(text=text, token_ids=list(token_ids), finish_reason=finish_reason or "")
+    msg = pb.GenerateChunk(text=text, token_ids=list(token_ids), finish_reason=finish_reason or "",
+                           logprobs=logprobs_to_proto(logprobs))
     if stats is not None:
         msg.stats.CopyFrom(stats_to_proto(stats))
     return msg
 
 
 def response_to_proto(text: str, token_ids: Sequence[int], finish_reason: str,
-                      stats: Mapping[str, Any] | Any) -> pb.GenerateResponse:
+                      stats: Mapping[str, Any] | Any,
+                      logprobs: Sequence[TokenLogprob] | None = None) -> pb.GenerateResponse:
     """The GenerateUnary answer."""
     return pb.GenerateResponse(text=text, token_ids=list(token_ids), finish_reason=finish_reason,
-                               stats=stats_to_proto(stats))
+                               stats=stats_to_proto(stats), logprobs=logprobs_to_proto(logprobs))
 
 
 def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:

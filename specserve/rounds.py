@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from specserve.api import TokenLogprob
 from specserve.contract import NO_PROPOSAL, ProposeOutcome, VerifyOutcome
 from specserve.core.commit import CommitDecision, decide_commit, truncate_at_stop
 from specserve.core.sampling import SamplingParams
@@ -93,6 +94,7 @@ class RequestState:
     max_context: int
     eos_token_id: int | None
     stats: RequestStats
+    logprobs: int | None = None  # top-n logprobs of committed tokens wanted (None: none)
     output: list[int] = field(default_factory=list)
     finish: str | None = None
     round_no: int = 0
@@ -162,6 +164,7 @@ class RoundOutcome:
     round_s: float
     repairs: list[RepairEvent]
     text: str = ""  # detokenized, when the loop has a detokenizer
+    logprobs: list[TokenLogprob] | None = None  # one per committed token, when asked
 
     @property
     def drafted(self) -> int:
@@ -309,7 +312,9 @@ async def speculative_round(state: RequestState, proposer: Proposer | None,
     repairs = [e for c, o in (("drafter", proposal), ("target", verdict))
                if (e := account_repair(state, c, o)) is not None]
     outcome = RoundOutcome(state.round_no, k, proposal, verdict, decision, tokens, finish,
-                           t1 - t0, t2 - t1, time.perf_counter() - t0, repairs)
+                           t1 - t0, t2 - t1, time.perf_counter() - t0, repairs,
+                           logprobs=(verdict.logprobs[: len(tokens)]
+                                     if verdict.logprobs is not None else None))
     _account_time(state, outcome)
     policy.observe(state, outcome)
     observer.round_end(state, outcome)

@@ -71,7 +71,8 @@ def probs_from_logits(
     if bool((top_p < 1.0).any()):
         sp, idx = probs.sort(dim=-1, descending=True)
         mass_before = sp.cumsum(-1) - sp
-        drop_sorted = mass_before >= top_p[:, None]
+        # rows with top_p = 1 keep everything (float32 mass can round up to 1 early)
+        drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)

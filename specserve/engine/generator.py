@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from specserve.api import GenerationRequest, SpecMode, prepare_prompt
+from specserve.api import GenerationRequest, SpecMode, TokenLogprob, prepare_prompt
 from specserve.contract import SessionProposer, SessionVerifier
 from specserve.core import rng
 from specserve.core.sampling import SamplingParams
@@ -37,6 +37,7 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked
 
 
 def direct(call: Callable[[list[ItemT]], list[OutT]]) -> Callable[[ItemT], Any]:
@@ -61,7 +62,8 @@ def new_state(req: GenerationRequest, prompt: list[int], max_context: int,
         request_id=request_id or uuid.uuid4().hex, session_id=uuid.uuid4().hex,
         committed=list(prompt), max_tokens=req.max_tokens,
         sampling=SamplingParams(req.temperature, req.top_k, req.top_p, seed), spec=spec,
-        k=req.k, max_context=max_context, eos_token_id=eos_token_id, stats=stats)
+        k=req.k, max_context=max_context, eos_token_id=eos_token_id, stats=stats,
+        logprobs=req.logprobs)
 
 
 class SpeculativeGenerator:
@@ -98,7 +100,7 @@ class SpeculativeGenerator:
         try:
             for o in iterate_sync(rounds):
                 yield Chunk(o.text, list(o.tokens), o.finish,
-                            state.stats if o.finish is not None else None)
+                            state.stats if o.finish is not None else None, o.logprobs)
         finally:
             self.drafter.release(state.session_id)
             self.target.release(state.session_id)

@@ -35,8 +35,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specserve.api import MAX_LOGPROBS, TokenLogprob
 from specserve.contract import RepairRecord, VerifyItem, VerifyOutcome
 from specserve.core.commit import check_tokens_window, repair_plan
+from specserve.core.logprobs import logprobs_from_logits, top_logprobs
 from specserve.core.sampling import params_tensors
 from specserve.core.verify import one_hot_q, verify_batch
 from specserve.service.lru import LRUSessions
@@ -202,6 +204,8 @@ class TargetEngine(LRUSessions):
                     f"expected [k={k}, V={self.vocab_size}]")
             if not it.sampling.greedy and it.sampling.seed is None:
                 raise ValueError(f"session {sid!r}: a sampled row needs sampling.seed")
+            if it.logprobs is not None and not 0 <= it.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"session {sid!r}: logprobs must be in [0, {MAX_LOGPROBS}]")
 
     # ----------------------------------------------------------------- verify
     @torch.inference_mode()
@@ -231,8 +235,10 @@ class TargetEngine(LRUSessions):
         if rows:
             logits = self._forward([r for _, r in rows])  # [B, K+1, V]
             results = self._decide([r for _, r in rows], logits)
-            for (idx, row), (n, extra, bonus) in zip(rows, results, strict=True):
-                outcomes[idx] = VerifyOutcome(n, extra, bonus, False, row.repair, len(rows))
+            logprobs = self._logprobs([r for _, r in rows], logits, results)
+            for (idx, row), (n, extra, bonus), lp in zip(rows, results, logprobs, strict=True):
+                outcomes[idx] = VerifyOutcome(n, extra, bonus, False, row.repair, len(rows),
+                                              logprobs=lp)
                 self._sessions.move_to_end(row.item.session_id)
             self._evict({r.item.session_id for _, r in rows})
         return [o for o in outcomes if o is not None]
@@ -333,3 +339,23 @@ class TargetEngine(LRUSessions):
         )
         return [(int(res.num_accepted[i]), int(res.extra_token[i]), bool(res.bonus[i]))
                 for i in range(b)]
+
+    def _logprobs(self, rows: list[_Row], logits: torch.Tensor,
+                  results: list[tuple[int, int, bool]]) -> list[list[TokenLogprob] | None]:
+        """Each asking row's logprobs of its committed tokens (accepted drafts + the extra
+        token) from the verify logits [B, K+1, V]: position j's logits give token j."""
+        out: list[list[TokenLogprob] | None] = []
+        for i, (r, (n, extra, _)) in enumerate(zip(rows, results, strict=True)):
+            top_n = r.item.logprobs
+            if top_n is None:
+                out.append(None)
+                continue
+            tokens = torch.tensor([*r.item.draft_tokens[:n], extra], dtype=torch.long)
+            temp, tk, tp = params_tensors([r.item.sampling] * (n + 1))
+            logp = logprobs_from_logits(logits[i, : n + 1], temp, tk, tp)  # [n+1, V]
+            chosen, ids, values = top_logprobs(logp, tokens, top_n)
+            out.append([TokenLogprob(int(t), float(c), list(zip(ids_.tolist(), v_.tolist(),
+                                                                  strict=True)))
+                        for t, c, ids_, v_ in zip(tokens.tolist(), chosen.tolist(), ids, values,
+                                                   strict=True)])
+        return out

@@ -18,6 +18,7 @@ from specserve.contract import (
     VerifyOutcome,
 )
 from specserve.core.sampling import SamplingParams
+from specserve.grpc_api import logprobs_from_proto, logprobs_to_proto
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 
 
@@ -93,11 +94,14 @@ def propose_outcome_from_proto(msg: pb.ProposeReply) -> ProposeOutcome:
 
 # ----------------------------------------------------------------- target
 def verify_item_to_proto(it: VerifyItem) -> pb.VerifyRequest:
-    return pb.VerifyRequest(
+    msg = pb.VerifyRequest(
         request_id=it.request_id, session_id=it.session_id, committed_len=it.committed_len,
         tokens_start=it.tokens_start, tokens=it.tokens, draft_tokens=it.draft_tokens,
         draft_probs=probs_to_bytes(it.draft_probs), sampling=sampling_to_proto(it.sampling),
         traceparent=it.traceparent)
+    if it.logprobs is not None:
+        msg.logprobs = it.logprobs
+    return msg
 
 
 def verify_item_from_proto(msg: pb.VerifyRequest) -> VerifyItem:
@@ -108,7 +112,8 @@ def verify_item_from_proto(msg: pb.VerifyRequest) -> VerifyItem:
         draft_tokens=list(msg.draft_tokens),
         draft_probs=probs_from_bytes(msg.draft_probs, len(msg.draft_tokens)),
         sampling=sampling_from_proto(msg.sampling), request_id=msg.request_id,
-        traceparent=msg.traceparent)
+        traceparent=msg.traceparent,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
 
 
 def verify_outcome_to_proto(o: VerifyOutcome, call_id: int, replica: str,
@@ -116,13 +121,14 @@ def verify_outcome_to_proto(o: VerifyOutcome, call_id: int, replica: str,
     return pb.VerifyReply(
         call_id=call_id, num_accepted=o.num_accepted, extra_token=o.extra_token, bonus=o.bonus,
         cache_miss=o.cache_miss, repair=repair_to_proto(o.repair), batch_size=o.batch_size,
-        replica=replica, compute_us=compute_us)
+        replica=replica, compute_us=compute_us, logprobs=logprobs_to_proto(o.logprobs))
 
 
 def verify_outcome_from_proto(msg: pb.VerifyReply) -> VerifyOutcome:
     return VerifyOutcome(
         msg.num_accepted, msg.extra_token, msg.bonus, msg.cache_miss, repair_from_proto(msg),
-        msg.batch_size, CallInfo(replica=msg.replica, compute_s=msg.compute_us / 1e6))
+        msg.batch_size, CallInfo(replica=msg.replica, compute_s=msg.compute_us / 1e6),
+        logprobs_from_proto(msg.logprobs) if len(msg.logprobs) else None)
 
 
 def release_message(component: str, session_id: str,

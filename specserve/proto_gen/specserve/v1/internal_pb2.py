@@ -22,29 +22,30 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from specserve.proto_gen.specserve.v1 import specserve_pb2 as specserve_dot_v1_dot_specserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/internal.proto\x12\x0cspecserve.v1\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"?\n\x0b\x43\x61\x63heRepair\x12\x15\n\rcached_before\x18\x01 \x01(\r\x12\x0c\n\x04kept\x18\x02 \x01(\r\x12\x0b\n\x03\x66\x65\x64\x18\x03 \x01(\r\"\xef\x01\n\x0eProposeRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x14\n\x0ctokens_start\x18\x05 \x01(\r\x12\x0e\n\x06tokens\x18\x06 \x03(\x05\x12\t\n\x01k\x18\x07 \x01(\r\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12(\n\x08sampling\x18\t \x01(\x0b\x32\x16.specserve.v1.Sampling\x12\x0f\n\x07release\x18\n \x01(\x08\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\"\xbd\x01\n\x0cProposeReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x01(\x0c\x12\x12\n\ncache_miss\x18\x04 \x01(\x08\x12)\n\x06repair\x18\x05 \x01(\x0b\x32\x19.specserve.v1.CacheRepair\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncompute_us\x18\x08 \x01(\r\"\x80\x02\n\rVerifyRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x14\n\x0ctokens_start\x18\x05 \x01(\r\x12\x0e\n\x06tokens\x18\x06 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x07 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x08 \x01(\x0c\x12(\n\x08sampling\x18\t \x01(\x0b\x32\x16.specserve.v1.Sampling\x12\x0f\n\x07release\x18\n \x01(\x08\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\"\xdf\x01\n\x0bVerifyReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x13\n\x0b\x65xtra_token\x18\x03 \x01(\x05\x12\r\n\x05\x62onus\x18\x04 \x01(\x08\x12\x12\n\ncache_miss\x18\x05 \x01(\x08\x12)\n\x06repair\x18\x06 \x01(\x0b\x32\x19.specserve.v1.CacheRepair\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x0f\n\x07replica\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x12\n\ncompute_us\x18\n \x01(\r2R\n\x07\x44rafter\x12G\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1a.specserve.v1.ProposeReply(\x01\x30\x01\x32N\n\x06Target\x12\x44\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x19.specserve.v1.VerifyReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/internal.proto\x12\x0cspecserve.v1\x1a\x1cspecserve/v1/specserve.proto\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"?\n\x0b\x43\x61\x63heRepair\x12\x15\n\rcached_before\x18\x01 \x01(\r\x12\x0c\n\x04kept\x18\x02 \x01(\r\x12\x0b\n\x03\x66\x65\x64\x18\x03 \x01(\r\"\xef\x01\n\x0eProposeRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x14\n\x0ctokens_start\x18\x05 \x01(\r\x12\x0e\n\x06tokens\x18\x06 \x03(\x05\x12\t\n\x01k\x18\x07 \x01(\r\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12(\n\x08sampling\x18\t \x01(\x0b\x32\x16.specserve.v1.Sampling\x12\x0f\n\x07release\x18\n \x01(\x08\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\"\xbd\x01\n\x0cProposeReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x01(\x0c\x12\x12\n\ncache_miss\x18\x04 \x01(\x08\x12)\n\x06repair\x18\x05 \x01(\x0b\x32\x19.specserve.v1.CacheRepair\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncompute_us\x18\x08 \x01(\r\"\xa4\x02\n\rVerifyRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x14\n\x0ctokens_start\x18\x05 \x01(\r\x12\x0e\n\x06tokens\x18\x06 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x07 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x08 \x01(\x0c\x12(\n\x08sampling\x18\t \x01(\x0b\x32\x16.specserve.v1.Sampling\x12\x0f\n\x07release\x18\n \x01(\x08\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x15\n\x08logprobs\x18\x14 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"\x8d\x02\n\x0bVerifyReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x13\n\x0b\x65xtra_token\x18\x03 \x01(\x05\x12\r\n\x05\x62onus\x18\x04 \x01(\x08\x12\x12\n\ncache_miss\x18\x05 \x01(\x08\x12)\n\x06repair\x18\x06 \x01(\x0b\x32\x19.specserve.v1.CacheRepair\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x0f\n\x07replica\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x12\n\ncompute_us\x18\n \x01(\r\x12,\n\x08logprobs\x18\x14 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob2R\n\x07\x44rafter\x12G\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1a.specserve.v1.ProposeReply(\x01\x30\x01\x32N\n\x06Target\x12\x44\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x19.specserve.v1.VerifyReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.proto_gen.specserve.v1.internal_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLING']._serialized_start=45
-  _globals['_SAMPLING']._serialized_end=120
-  _globals['_CACHEREPAIR']._serialized_start=122
-  _globals['_CACHEREPAIR']._serialized_end=185
-  _globals['_PROPOSEREQUEST']._serialized_start=188
-  _globals['_PROPOSEREQUEST']._serialized_end=427
-  _globals['_PROPOSEREPLY']._serialized_start=430
-  _globals['_PROPOSEREPLY']._serialized_end=619
-  _globals['_VERIFYREQUEST']._serialized_start=622
-  _globals['_VERIFYREQUEST']._serialized_end=878
-  _globals['_VERIFYREPLY']._serialized_start=881
-  _globals['_VERIFYREPLY']._serialized_end=1104
-  _globals['_DRAFTER']._serialized_start=1106
-  _globals['_DRAFTER']._serialized_end=1188
-  _globals['_TARGET']._serialized_start=1190
-  _globals['_TARGET']._serialized_end=1268
+  _globals['_SAMPLING']._serialized_start=75
+  _globals['_SAMPLING']._serialized_end=150
+  _globals['_CACHEREPAIR']._serialized_start=152
+  _globals['_CACHEREPAIR']._serialized_end=215
+  _globals['_PROPOSEREQUEST']._serialized_start=218
+  _globals['_PROPOSEREQUEST']._serialized_end=457
+  _globals['_PROPOSEREPLY']._serialized_start=460
+  _globals['_PROPOSEREPLY']._serialized_end=649
+  _globals['_VERIFYREQUEST']._serialized_start=652
+  _globals['_VERIFYREQUEST']._serialized_end=944
+  _globals['_VERIFYREPLY']._serialized_start=947
+  _globals['_VERIFYREPLY']._serialized_end=1216
+  _globals['_DRAFTER']._serialized_start=1218
+  _globals['_DRAFTER']._serialized_end=1300
+  _globals['_TARGET']._serialized_start=1302
+  _globals['_TARGET']._serialized_end=1380
 # @@protoc_insertion_point(module_scope)

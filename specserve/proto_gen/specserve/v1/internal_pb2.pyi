@@ -1,3 +1,4 @@
+from specserve.proto_gen.specserve.v1 import specserve_pb2 as _specserve_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -75,7 +76,7 @@ class ProposeReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("call_id", "request_id", "session_id", "committed_len", "tokens_start", "tokens", "draft_tokens", "draft_probs", "sampling", "release", "traceparent")
+    __slots__ = ("call_id", "request_id", "session_id", "committed_len", "tokens_start", "tokens", "draft_tokens", "draft_probs", "sampling", "release", "traceparent", "logprobs")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +88,7 @@ class VerifyRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     request_id: str
     session_id: str
@@ -98,10 +100,11 @@ class VerifyRequest(_message.Message):
     sampling: Sampling
     release: bool
     traceparent: str
-    def __init__(self, call_id: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tokens_start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, call_id: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tokens_start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., traceparent: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("call_id", "num_accepted", "extra_token", "bonus", "cache_miss", "repair", "batch_size", "replica", "error", "compute_us")
+    __slots__ = ("call_id", "num_accepted", "extra_token", "bonus", "cache_miss", "repair", "batch_size", "replica", "error", "compute_us", "logprobs")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EXTRA_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +115,7 @@ class VerifyReply(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     num_accepted: int
     extra_token: int
@@ -122,4 +126,5 @@ class VerifyReply(_message.Message):
     replica: str
     error: str
     compute_us: int
-    def __init__(self, call_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., extra_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., batch_size: _Optional[int] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_specserve_pb2.TokenLogprob]
+    def __init__(self, call_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., extra_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., batch_size: _Optional[int] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_specserve_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
