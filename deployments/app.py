@@ -91,13 +91,17 @@ async def make_drafter_engine(cfg: AppConfig, host: str) -> Any:
     return DrafterEngine(lean, cache_budget_bytes=cfg.drafter.cache_bytes)
 
 
-async def _hold(engine, session_id: str, address: str):
-    """Yield the data-path address, then keep the Serve call open until cancelled."""
+async def _hold(sessions, session_id: str, address: str):
+    """Yield the data-path address, then keep the Serve call open while the session is held:
+    until the router cancels it, or the data-path server released the session (its stream
+    ended: the router died; or it went unused for ``session_idle_s``)."""
+    sessions.touch(session_id)
     try:
         yield address
-        await asyncio.Event().wait()
+        while sessions.held(session_id):
+            await asyncio.sleep(1.0)
     finally:
-        engine.release(session_id)
+        sessions.release(session_id, "lease_end")
 
 
 @serve.deployment(name="Target")
@@ -110,20 +114,30 @@ class TargetDeployment:
         host = node_host(cfg)
         self.engine = await engine_factory(cfg, host)
         self.tp = self.engine if cfg.target.tp_size > 1 else None
+        sec = cfg.security
         self.server, port, self.servicer = await start_target_server(
-            self.engine, host, 0, self.replica, max_batch=cfg.target.max_batch,
-            batch_wait_s=cfg.target.batch_wait_ms / 1000, prometheus=TargetBatchMetrics())
+            self.engine, host, 0, self.replica, secret=sec.data_plane_secret,
+            max_message_bytes=sec.max_internal_message_bytes, max_batch=cfg.target.max_batch,
+            batch_wait_s=cfg.target.batch_wait_ms / 1000, prometheus=TargetBatchMetrics(),
+            max_queue=cfg.target.max_queue, idle_s=cfg.target.session_idle_s)
         self.address = f"{host}:{port}"
         log.info("target replica %s serving verify on %s", self.replica, self.address)
 
     async def session(self, session_id: str):
-        async for address in _hold(self.engine, session_id, self.address):
+        async for address in _hold(self.servicer.sessions, session_id, self.address):
             yield address
 
-    def stats(self) -> dict:
+    async def ping(self) -> bool:
+        """The router's health check: this replica answers (and its TP group is whole)."""
+        self.check_health()
+        return True
+
+    async def stats(self) -> dict:  # on the event loop: no race with the batcher's state
         m = self.servicer.metrics
         return {"replica": self.replica, "batches": m.batches, "rows": m.rows,
-                "max_batch": m.max_batch, **self.engine.stats()}
+                "max_batch": m.max_batch, "overloaded": self.servicer.overloaded,
+                "held_sessions": len(self.servicer.sessions),
+                "released": dict(self.servicer.sessions.released), **self.engine.stats()}
 
     def pid(self) -> int:
         return os.getpid()
@@ -149,17 +163,20 @@ class DrafterDeployment:
         self.replica = _start_replica("drafter", cfg, cfg.drafter.torch_threads)
         host = node_host(cfg)
         self.engine = await engine_factory(cfg, host)
+        sec = cfg.security
         self.server, port, self.servicer = await start_drafter_server(
-            self.engine, host, 0, self.replica)
+            self.engine, host, 0, self.replica, secret=sec.data_plane_secret,
+            max_message_bytes=sec.max_internal_message_bytes, idle_s=cfg.drafter.session_idle_s)
         self.address = f"{host}:{port}"
 
     async def session(self, session_id: str):
-        async for address in _hold(self.engine, session_id, self.address):
+        async for address in _hold(self.servicer.sessions, session_id, self.address):
             yield address
 
-    def stats(self) -> dict:
+    async def stats(self) -> dict:
         return {"replica": self.replica, "proposals": self.servicer.proposals,
-                **self.engine.stats()}
+                "held_sessions": len(self.servicer.sessions),
+                "released": dict(self.servicer.sessions.released), **self.engine.stats()}
 
     def pid(self) -> int:
         return os.getpid()
@@ -177,7 +194,7 @@ def make_router(cfg: AppConfig, drafter_handle: Any, target_handle: Any) -> Any:
     from specserve.models.revision import model_revision
     from specserve.service.metrics import RouterMetrics
 
-    m, r = cfg.models, cfg.router
+    m, r, sec = cfg.models, cfg.router, cfg.security
     tpath = resolve_model(m.target)
     tok = AutoTokenizer.from_pretrained(tpath)
     drev = ""
@@ -191,9 +208,12 @@ def make_router(cfg: AppConfig, drafter_handle: Any, target_handle: Any) -> Any:
         RouterConfig(max_context=mcfg.max_position_embeddings, eos_token_id=tok.eos_token_id,
                      vocab_size=mcfg.vocab_size, call_timeout_s=r.call_timeout_s,
                      target_retries=r.target_retries, max_concurrent=r.max_concurrent),
-        drafters=ServeLeasePool(drafter_handle, "drafter") if m.drafter else None,
-        targets=ServeLeasePool(target_handle, "target"),
-        journal=Journal(cfg.journal_url()), revisions=(model_revision(tpath), drev),
+        drafters=(ServeLeasePool(drafter_handle, "drafter", sec.data_plane_secret,
+                                 sec.max_internal_message_bytes) if m.drafter else None),
+        targets=ServeLeasePool(target_handle, "target", sec.data_plane_secret,
+                               sec.max_internal_message_bytes),
+        journal=Journal(cfg.journal_url(), ttl_s=r.journal_ttl_s),
+        revisions=(model_revision(tpath), drev),
         metrics=RouterMetrics())
 
 
@@ -202,26 +222,35 @@ class RouterDeployment:
     """The client-facing gRPC ingress (``specserve.v1.SpecServe``)."""
 
     async def __init__(self, cfg: AppConfig, drafter, target):
+        from deployments.grpc_ingress import Health, Ingress
+        from specserve.auth import KeyStore
+
         _start_replica("router", cfg)
         self.router = make_router(cfg, drafter, target)
+        sec = cfg.security
+        keys = KeyStore(sec.api_keys_file, sec.api_keys_env)
+        if sec.require_api_key and not keys.enabled:
+            raise ValueError("security.require_api_key: no API key configured (api_keys_file "
+                             f"or ${sec.api_keys_env})")
+        self.ingress = Ingress(self.router, keys, sec.max_message_bytes,
+                               cfg.router.max_prompt_bytes)
+        self.health = Health(self.ingress, target)
 
     async def Generate(self, request, grpc_context=None):
         from deployments.grpc_ingress import generate_stream
 
-        async for chunk in generate_stream(self.router, request, grpc_context):
+        async for chunk in generate_stream(self.ingress, request, grpc_context):
             yield chunk
 
     async def GenerateUnary(self, request, grpc_context=None):
         from deployments.grpc_ingress import generate_unary
 
-        return await generate_unary(self.router, request, grpc_context)
+        return await generate_unary(self.ingress, request, grpc_context)
 
     async def Check(self, request, grpc_context=None):
-        from grpc_health.v1 import health_pb2
+        return await self.health.check(request, grpc_context)
 
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-
-    def stats(self) -> dict:
+    async def stats(self) -> dict:  # on the event loop: rounds write the same buffers there
         from router.stats import router_stats
 
         return router_stats(self.router)
@@ -247,8 +276,15 @@ def validate_app_config(config: dict | AppConfig | None) -> AppConfig:
 
 
 def build_app(config: dict | AppConfig | None = None):
-    """Validate ``config`` and bind the three deployments (a Serve ``import_path``)."""
+    """Validate ``config`` and bind the three deployments (a Serve ``import_path``). The
+    data plane's secret, unless configured, is drawn here: one per application deployment,
+    shared by its replicas through their bound config."""
     cfg = validate_app_config(config)
+    if cfg.security.data_plane_secret is None:
+        import secrets
+
+        cfg = cfg.model_copy(update={"security": cfg.security.model_copy(
+            update={"data_plane_secret": secrets.token_urlsafe(32)})})
     target = TargetDeployment.options(
         **cfg.target.scaling.deployment_options(cfg.target.tp_size)).bind(cfg)
     drafter = DrafterDeployment.options(**cfg.drafter.scaling.deployment_options()).bind(cfg)

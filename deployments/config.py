@@ -89,6 +89,11 @@ class RouterOptions(BaseModel):
     call_timeout_s: float = Field(30.0, gt=0, description="per-call deadline router->replica")
     target_retries: int = Field(8, ge=0, le=20, description="reconnects to a target replica "
                                 "(backoff 0.25 s doubling to 4 s) before UNAVAILABLE")
+    max_prompt_bytes: int = Field(256 << 10, ge=1, le=64 << 20, description="prompt text "
+                                  "size limit (UTF-8 bytes), checked before tokenizing; beyond "
+                                  "it INVALID_ARGUMENT")
+    journal_ttl_s: int = Field(3600, ge=10, le=7 * 86400, description="how long a request's "
+                               "journal entry (its committed tokens) is kept for resumes")
 
 
 _THREADS = ("intra-op torch threads per replica (1 on shared CPUs: oversubscribed OpenMP "
@@ -103,6 +108,9 @@ class DrafterOptions(BaseModel):
     scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.3))
     cache_bytes: int = Field(256 << 20, ge=1 << 16, description="KV budget per replica (LRU)")
     torch_threads: int = Field(1, ge=1, le=256, description=_THREADS)
+    session_idle_s: float = Field(10.0, gt=0, le=3600, description="a session no stream has "
+                                  "used this long is released (a router that died, a client "
+                                  "gone); a later call just rebuilds its cache")
 
 
 class TargetOptions(BaseModel):
@@ -122,6 +130,46 @@ class TargetOptions(BaseModel):
                                 "tensor-parallel group: a rank silent this long fails the group")
     tp_heartbeat_s: float = Field(2.0, gt=0, le=60, description="idle tensor-parallel groups "
                                   "exchange a heartbeat this often (a dead rank is noticed)")
+    session_idle_s: float = Field(10.0, gt=0, le=3600, description="a session no stream has "
+                                  "used this long is released (its cache rebuilds on use)")
+    max_queue: int = Field(1024, ge=1, le=1 << 20, description="verify rows waiting for a "
+                           "forward, all streams together; beyond it RESOURCE_EXHAUSTED")
+    batch_invariant: bool = Field(True, description="each row's logits computed on its own "
+                                  "(bitwise independent of the batch and of padding), so "
+                                  "seeded sampling never depends on what else is served; "
+                                  "false: one padded forward for the batch (faster, last-bit "
+                                  "differences between batch mixes)")
+
+
+class Security(BaseModel):
+    """Who may call, over what, with how much (docs/security.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_keys_file: str | None = Field(
+        None, description="API keys ('name: key' lines or a JSON/YAML mapping), read again "
+        "when it changes (rotation without a restart); the key's name is the caller")
+    api_keys_env: str | None = Field(
+        "SPECSERVE_API_KEYS", description="environment variable with more keys "
+        "('name:key,...'); null = none")
+    require_api_key: bool = Field(
+        False, description="refuse to start without any API key configured")
+    tls_cert: str | None = Field(None, description="PEM certificate (chain) of the public "
+                                 "port; with tls_key, the public port speaks TLS only")
+    tls_key: str | None = Field(None, description="PEM private key of the public port")
+    data_plane_secret: str | None = Field(
+        None, min_length=16, description="shared secret every router -> drafter/target "
+        "stream carries; null = a random one per application deployment")
+    max_message_bytes: int = Field(4 << 20, ge=1 << 10, le=1 << 30, description="largest "
+                                   "public request message (the gRPC proxy refuses more)")
+    max_internal_message_bytes: int = Field(32 << 20, ge=1 << 16, le=1 << 30,
+                                            description="largest data-plane message")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Security:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: give both or neither")
+        return self
 
 
 class AppConfig(BaseModel):
@@ -135,6 +183,7 @@ class AppConfig(BaseModel):
     router: RouterOptions = Field(default_factory=RouterOptions)
     drafter: DrafterOptions = Field(default_factory=DrafterOptions)
     target: TargetOptions = Field(default_factory=TargetOptions)
+    security: Security = Field(default_factory=Security)
     redis_url: str | None = Field(
         None, description="request journal; null = the replica's REDIS_URL environment "
         "variable, and no journal without it")

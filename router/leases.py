@@ -32,14 +32,15 @@ class Lease:
 
 
 class _MuxCache:
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, secret: str | None = None, max_message_bytes: int = 32 << 20):
         self._open = OPENERS[kind]
         self._muxes: dict[str, StreamMux] = {}
+        self._secret, self._max = secret, max_message_bytes
 
     def mux(self, address: str) -> StreamMux:
         m = self._muxes.get(address)
         if m is None or m.broken is not None:
-            m = StreamMux(address, self._open)
+            m = StreamMux(address, self._open, self._secret, self._max)
             self._muxes[address] = m
         return m
 
@@ -52,8 +53,8 @@ class _MuxCache:
 class StaticPool(_MuxCache):
     """Round-robin over fixed addresses."""
 
-    def __init__(self, kind: str, addresses: list[str]):
-        super().__init__(kind)
+    def __init__(self, kind: str, addresses: list[str], secret: str | None = None):
+        super().__init__(kind, secret)
         self._cycle = itertools.cycle(list(addresses))
 
     async def acquire(self, session_id: str) -> Lease:
@@ -63,8 +64,9 @@ class StaticPool(_MuxCache):
 class ServeLeasePool(_MuxCache):
     """Leases through the deployment's streaming ``session`` method."""
 
-    def __init__(self, handle, kind: str):
-        super().__init__(kind)
+    def __init__(self, handle, kind: str, secret: str | None = None,
+                 max_message_bytes: int = 32 << 20):
+        super().__init__(kind, secret, max_message_bytes)
         self._handle = handle.options(stream=True)
 
     async def acquire(self, session_id: str) -> Lease:

@@ -16,12 +16,12 @@ from typing import Any
 
 import grpc
 
+from specserve.auth import PEER_KEY
+
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
 ]
 
 
@@ -30,15 +30,20 @@ class StreamBroken(ConnectionError):
 
 
 class StreamMux:
-    def __init__(self, address: str, open_stream: Callable[[grpc.aio.Channel], Callable]):
+    def __init__(self, address: str, open_stream: Callable[[grpc.aio.Channel], Callable],
+                 secret: str | None = None, max_message_bytes: int = 32 << 20):
         """``open_stream(channel)`` returns the stub's bidi method, e.g.
-        ``lambda ch: TargetStub(ch).Verify``."""
+        ``lambda ch: TargetStub(ch).Verify``; ``secret``: the data plane's shared secret,
+        sent with the stream (``specserve.auth.PEER_KEY``)."""
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            *CHANNEL_OPTIONS, ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)])
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
-        self._call = open_stream(self._channel)(self._outgoing())
+        metadata = ((PEER_KEY, secret),) if secret else None
+        self._call = open_stream(self._channel)(self._outgoing(), metadata=metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.broken: BaseException | None = None
 

@@ -26,7 +26,8 @@ def router_stats(router: Router) -> dict:
         "target_compute": _pct(t["target_compute_s"]),
         "orchestration_overhead": _pct(orchestration), "router_local": _pct(local),
         "active": router.active, "target_reconnects": router.target_reconnects,
-        "journal_degraded": router.journal.degraded, **router.totals.to_dict(),
+        "journal_degraded": router.journal.degraded,
+        "journal_write_failures": router.journal.write_failures, **router.totals.to_dict(),
     }
 
 

@@ -41,3 +41,40 @@ class ProposerFailed(ServiceError):
     """The drafter failed; the request continues without speculation (never surfaced)."""
 
     code = "UNAVAILABLE"
+
+
+class Unauthenticated(ServiceError):
+    """No API key, or one the service does not know (public API and data plane)."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(ServiceError):
+    """The caller is known but may not do this."""
+
+    code = "PERMISSION_DENIED"
+
+
+class AlreadyExists(ServiceError):
+    """A request id the caller already used for a request with other content."""
+
+    code = "ALREADY_EXISTS"
+
+
+class DeadlineExceeded(ServiceError):
+    """The caller's deadline passed; the request was stopped."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(ServiceError):
+    """The caller went away or cancelled; the request was stopped."""
+
+    code = "CANCELLED"
+
+
+class DataLoss(ServiceError):
+    """A resumed request regenerated tokens that differ from the ones already delivered
+    (determinism broken, e.g. another model revision): never answered as if whole."""
+
+    code = "DATA_LOSS"

@@ -4,12 +4,19 @@ Every Verify message from every open stream goes into one queue; the batcher tak
 there (waiting up to ``batch_wait_s`` for more when other sessions are active) and runs one
 ``TargetEngine.verify`` over all of them in a worker thread, so concurrent requests share a
 forward pass.
+
+Bounded and private: the queue holds at most ``max_queue`` rows (beyond it a row is answered
+``overloaded: ...`` at once, RESOURCE_EXHAUSTED for its request); with a ``secret`` every
+stream must carry it (``specserve.auth.PeerAuthInterceptor``); messages are limited to
+``max_message_bytes``. Sessions are released by the router's message, when the stream that
+used them ends (a router that died) or after ``idle_s`` unused (``SessionTracker``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,9 +25,11 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specserve import tracing
+from specserve.auth import PeerAuthInterceptor
 from specserve.engine.target import TargetEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
+from specserve.service.peers import SessionTracker
 from specserve.service.wire import verify_item_from_proto, verify_outcome_to_proto
 
 if TYPE_CHECKING:
@@ -49,30 +58,56 @@ class TargetMetrics:
 
 class TargetServicer(pb_grpc.TargetServicer):
     def __init__(self, engine: TargetEngine, replica: str, max_batch: int = 32,
-                 batch_wait_s: float = 0.002, prometheus: TargetBatchMetrics | None = None):
+                 batch_wait_s: float = 0.002, prometheus: TargetBatchMetrics | None = None,
+                 max_queue: int = 1024, idle_s: float = 10.0):
         self.engine = engine
         self.replica = replica
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
         self.metrics = TargetMetrics()
         self.prometheus = prometheus  # Ray metrics (Serve deployment only)
-        self._queue: asyncio.Queue[_Row] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Row] = asyncio.Queue(maxsize=max_queue)
         self._active: dict[str, float] = {}  # session -> last seen (for the batching wait)
         self._batcher: asyncio.Task | None = None
+        self._reaper: asyncio.Task | None = None
+        self.sessions = SessionTracker(engine.release, idle_s)
+        self.overloaded = 0  # rows refused because the queue was full
+        self._streams = itertools.count(1)
 
     def start(self) -> None:
-        self._batcher = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._batcher = loop.create_task(self._run())
+        self._reaper = loop.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.sessions.idle_s / 4))
+            self.sessions.reap()
+
+    def _admit(self, msg: pb.VerifyRequest, replies: asyncio.Queue, stream: int) -> bool:
+        """Release messages and the queue bound; True when ``msg`` is a row to verify."""
+        if msg.release:
+            self.sessions.release(msg.session_id)
+            self._active.pop(msg.session_id, None)
+            return False
+        self.sessions.touch(msg.session_id, stream)
+        if self._queue.full():
+            self.overloaded += 1
+            replies.put_nowait(pb.VerifyReply(
+                call_id=msg.call_id, replica=self.replica,
+                error=f"overloaded: target queue full ({self._queue.maxsize} rows)"))
+            return False
+        self._active[msg.session_id] = time.monotonic()
+        return True
 
     async def Verify(self, request_iterator, context):
         replies: asyncio.Queue = asyncio.Queue()
+        stream = next(self._streams)
 
         async def pump() -> None:
             async for msg in request_iterator:
-                if msg.release:
-                    self.engine.release(msg.session_id)
-                    self._active.pop(msg.session_id, None)
+                if not self._admit(msg, replies, stream):
                     continue
-                self._active[msg.session_id] = time.monotonic()
                 tracer = tracing.tracer()
                 span = None
                 if tracer is not None:  # a span per row, from arrival to reply
@@ -90,6 +125,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                 yield reply
         finally:
             reader.cancel()
+            self.sessions.stream_closed(stream)  # its router is gone: free its sessions
 
     def _expected_rows(self) -> int:
         now = time.monotonic()
@@ -132,7 +168,12 @@ class TargetServicer(pb_grpc.TargetServicer):
             fspan = _batch_span(batch, len(items)) if tracing.tracer() is not None else None
             try:
                 t0 = time.perf_counter()
-                results = await asyncio.to_thread(self.engine.verify, items)
+                self.sessions.busy = True
+                try:
+                    results = await asyncio.to_thread(self.engine.verify, items)
+                finally:
+                    self.sessions.busy = False
+                    self.sessions.apply()
                 compute_us = int((time.perf_counter() - t0) * 1e6)
                 outcomes = dict(zip(good, results, strict=True))
                 self.metrics.observe(len(items))
@@ -196,9 +237,13 @@ def _end_row_span(span: Span, msg: pb.VerifyRequest, reply: pb.VerifyReply) -> N
 
 
 async def start_target_server(engine: TargetEngine, host: str = "127.0.0.1", port: int = 0,
-                              replica: str = "target", **kw) -> tuple[grpc.aio.Server, int,
-                                                                      TargetServicer]:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+                              replica: str = "target", secret: str | None = None,
+                              max_message_bytes: int = 32 << 20,
+                              **kw) -> tuple[grpc.aio.Server, int, TargetServicer]:
+    server = grpc.aio.server(
+        interceptors=[PeerAuthInterceptor(secret)] if secret else None,
+        options=[("grpc.max_receive_message_length", max_message_bytes),
+                 ("grpc.max_send_message_length", max_message_bytes)])
     servicer = TargetServicer(engine, replica, **kw)
     pb_grpc.add_TargetServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -1,0 +1,61 @@
+"""Which sessions a data-plane server holds for whom, so none outlives its request.
+
+A session is *held* from its lease (or first call) until it is released: by the router's
+release message, when the stream that used it ends (its router died or went away: the
+connection closes), or when no call used it for ``idle_s`` (a lost release; a later call
+just rebuilds the cache by the contract's resend rule, so releasing early is always safe).
+Releases are applied by the server between engine calls (``apply``), never while an engine
+call runs in its worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class SessionTracker:
+    def __init__(self, release: Callable[[str], object], idle_s: float = 10.0):
+        self._release = release
+        self.idle_s = idle_s
+        self.busy = False  # an engine call is running: releases wait for ``apply``
+        self._seen: dict[str, float] = {}  # session -> last use
+        self._stream: dict[str, int] = {}  # session -> the stream that used it last
+        self._pending: set[str] = set()
+        self.released = {"message": 0, "stream_closed": 0, "idle": 0}
+
+    def touch(self, session_id: str, stream: int = 0) -> None:
+        self._seen[session_id] = time.monotonic()
+        if stream:
+            self._stream[session_id] = stream
+        self._pending.discard(session_id)
+
+    def held(self, session_id: str) -> bool:
+        return session_id in self._seen
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def release(self, session_id: str, why: str = "message") -> None:
+        if self._seen.pop(session_id, None) is None and why != "message":
+            return
+        self._stream.pop(session_id, None)
+        self.released[why] = self.released.get(why, 0) + 1
+        if self.busy:
+            self._pending.add(session_id)
+        else:
+            self._release(session_id)
+
+    def stream_closed(self, stream: int) -> None:
+        for sid in [s for s, st in self._stream.items() if st == stream]:
+            self.release(sid, "stream_closed")
+
+    def reap(self) -> None:
+        cutoff = time.monotonic() - self.idle_s
+        for sid in [s for s, t in self._seen.items() if t < cutoff]:
+            self.release(sid, "idle")
+
+    def apply(self) -> None:
+        """Releases that waited for the engine call to end."""
+        while self._pending:
+            self._release(self._pending.pop())
