@@ -218,8 +218,10 @@ def make_router(cfg: AppConfig, drafter_handle: Any, target_handle: Any) -> Any:
 
 
 @serve.deployment(name="Router")
+@serve.ingress()  # the HTTP app: __serve_build_asgi_app__ (after __init__)
 class RouterDeployment:
-    """The client-facing gRPC ingress (``specserve.v1.SpecServe``)."""
+    """The client-facing ingress: gRPC (``specserve.v1.SpecServe``) and the
+    OpenAI-compatible HTTP API (``deployments/http_ingress.py``), one router behind both."""
 
     async def __init__(self, cfg: AppConfig, drafter, target):
         from deployments.grpc_ingress import Health, Ingress
@@ -235,6 +237,24 @@ class RouterDeployment:
         self.ingress = Ingress(self.router, keys, sec.max_message_bytes,
                                cfg.router.max_prompt_bytes)
         self.health = Health(self.ingress, target)
+        self.keys, self.model_name = keys, cfg.models.target
+
+    def __serve_build_asgi_app__(self):
+        from deployments.http_ingress import build_http_app
+        from specserve.errors import ServiceError
+
+        async def authorize(request) -> None:
+            if self.keys.enabled:
+                self.keys.caller(request.headers.items())  # raises Unauthenticated
+
+        async def healthy() -> bool:
+            try:
+                return await self.health._target_ok()
+            except ServiceError:
+                return False
+
+        return build_http_app(self.router, self.model_name, self.router.revisions,
+                              authorize=authorize, healthy=healthy)
 
     async def Generate(self, request, grpc_context=None):
         from deployments.grpc_ingress import generate_stream

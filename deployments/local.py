@@ -42,6 +42,7 @@ class LocalService:
     metrics_url: str = ""  # Ray's Prometheus endpoint on this node: http://127.0.0.1:PORT/metrics
     gateway: object | None = None  # the TLS gateway (public port) when TLS is configured
     proxy_address: str = ""  # Serve's own gRPC proxy (= grpc_address without TLS)
+    http_address: str = ""  # the OpenAI-compatible HTTP API: http://HOST:PORT (+ /v1/...)
 
     def router_stats(self) -> dict:
         """The (first) router replica's round split (``router/stats.py``)."""
@@ -118,7 +119,8 @@ def _exit_cleanly_on_sigterm() -> None:
 
 
 def start_local(config: dict | AppConfig | None = None, port: int = 9000,
-                num_cpus: float | None = None, redis: bool = True) -> LocalService:
+                num_cpus: float | None = None, redis: bool = True,
+                http_port: int | None = None) -> LocalService:
     """Start Ray (local), Serve's gRPC ingress on ``port`` and the application. Redis:
     ``config.redis_url``, else ``$REDIS_URL``, else an embedded server (``redis=True``)."""
     from ray import serve
@@ -135,15 +137,17 @@ def start_local(config: dict | AppConfig | None = None, port: int = 9000,
     metrics_port = init_ray(num_cpus, max_message_bytes=sec.max_message_bytes)
     _exit_cleanly_on_sigterm()
     proxy_port = _free_port() if sec.tls_cert else port
+    http_port = http_port or _free_port()
     serve.start(
-        http_options={"host": "127.0.0.1", "port": 0},
+        http_options={"host": "127.0.0.1", "port": http_port},
         grpc_options={"port": proxy_port, "grpc_servicer_functions": SERVICER_FUNCTIONS},
     )
-    serve.run(build_app(cfg), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")  # HTTP: /v1/..., /health
     gateway = start_gateway(cfg, port, f"127.0.0.1:{proxy_port}") if sec.tls_cert else None
     return LocalService(f"127.0.0.1:{port}", cfg, cfg.journal_url(), redis_server,
                         f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else "",
-                        gateway, f"127.0.0.1:{proxy_port}")
+                        gateway, f"127.0.0.1:{proxy_port}",
+                        f"http://127.0.0.1:{http_port}")
 
 
 def start_gateway(cfg: AppConfig, port: int, upstream: str):

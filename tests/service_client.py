@@ -16,7 +16,8 @@ def run(address: str, jobs: list[dict], app: str) -> list[dict]:
             try:
                 r = client.generate(**job)
                 return {"token_ids": r.token_ids, "text": r.text, "finish": r.finish_reason,
-                        "stats": r.stats}
+                        "stats": r.stats,
+                        "logprobs": [(t.token, t.logprob, t.top) for t in r.logprobs or ()]}
             except SpecServeError as e:
                 return {"error": e.code.name, "details": e.details}
 
