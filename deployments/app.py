@@ -78,7 +78,8 @@ async def make_target_engine(cfg: AppConfig, host: str) -> Any:
             num_gpus=sc.num_gpus, resources=sc.resources, heartbeat_s=t.tp_heartbeat_s)
     from specserve.engine.target import TargetEngine
 
-    return TargetEngine(load_model(resolve_model(cfg.models.target)), t.cache_bytes)
+    return TargetEngine(load_model(resolve_model(cfg.models.target)), t.cache_bytes,
+                        batch_invariant=t.batch_invariant)
 
 
 async def make_drafter_engine(cfg: AppConfig, host: str) -> Any:

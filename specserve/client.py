@@ -13,9 +13,14 @@ Light install only (grpcio, protobuf, pydantic, numpy): no torch, ray or transfo
             ...
 
 Every call has a deadline (``timeout``: per call, else the client's); for a stream it covers
-the whole stream. UNAVAILABLE is retried with exponential backoff and the same request_id
-(a uuid4 when none is given), within the call's deadline; a stream is retried only until its
-first chunk arrives. Stop a stream early by closing it (``close()`` / ``aclose()``, or leave
+the whole stream. UNAVAILABLE, and a router replica that died (whatever status Ray Serve
+gives it), are retried with exponential backoff and the same request_id (a uuid4 when none is
+given), within the call's deadline, streams included: a retried stream tells the service
+what it already holds (``specserve-resume``: tokens, characters, a digest of the token ids)
+and receives only the rest, so every token reaches the caller exactly once; the service
+checks that the rest continues what the caller holds. The remaining deadline goes with every
+attempt (``specserve-deadline-ms``) and the service stops the work when it passes.
+Stop a stream early by closing it (``close()`` / ``aclose()``, or leave
 a ``for`` loop over it): the server-side call is cancelled. Every gRPC failure is raised as
 ``SpecServeError``. The server validates requests; the client checks only argument types.
 
@@ -42,11 +47,47 @@ from specserve.api import TokenLogprob
 from specserve.grpc_api import SPEC_TO_PROTO, logprobs_from_proto, stats_from_proto
 from specserve.proto_gen.specserve.v1 import specserve_pb2 as pb
 from specserve.proto_gen.specserve.v1 import specserve_pb2_grpc as pb_grpc
+from specserve.resume import DEADLINE_KEY, RESUME_KEY, ResumePoint, tokens_digest
 
 __all__ = ["AsyncClient", "Chunk", "Client", "Result", "SpecServeError", "health_check"]
 
 _MAX_BACKOFF_S = 5.0
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+# How Ray Serve reports a replica (the router) that died during a call: INTERNAL or UNKNOWN
+# with Ray's actor-death error in the details. The request is retried like UNAVAILABLE.
+_DEAD_REPLICA = ("actordiederror", "actor died", "the actor is dead", "rayactorerror",
+                 "actorunavailableerror", "actor unavailable", "worker died",
+                 "died unexpectedly", "replica died", "the replica is dead")
+
+
+def _retryable(err: grpc.RpcError) -> bool:
+    code_fn, details_fn = getattr(err, "code", None), getattr(err, "details", None)
+    code = code_fn() if callable(code_fn) else None
+    if code in _RETRYABLE:
+        return True
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        details = (details_fn() if callable(details_fn) else "") or ""
+        return any(m in details.lower() for m in _DEAD_REPLICA)
+    return False
+
+
+class _Held:
+    """What a stream's caller holds so far (the resume point of a retry)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.chars = 0
+
+    def add(self, chunk: Chunk) -> Chunk:
+        self.tokens.extend(chunk.token_ids)
+        self.chars += len(chunk.text)
+        return chunk
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        if not self.tokens and not self.chars:
+            return ()
+        point = ResumePoint(len(self.tokens), self.chars, tokens_digest(self.tokens))
+        return ((RESUME_KEY, point.header()),)
 
 
 class SpecServeError(Exception):
@@ -157,6 +198,13 @@ def _trace_metadata() -> tuple[tuple[str, str], ...]:
     return tuple(carrier.items())
 
 
+def _attempt_metadata(metadata: tuple[tuple[str, str], ...], left: float,
+                      held: _Held | None = None) -> tuple[tuple[str, str], ...]:
+    """One attempt's metadata: the call's, its remaining deadline, what the caller holds."""
+    return (*metadata, (DEADLINE_KEY, str(int(left * 1000))),
+            *(held.metadata() if held is not None else ()))
+
+
 def _chunk(msg: pb.GenerateChunk) -> Chunk:
     return Chunk(msg.text, list(msg.token_ids), msg.finish_reason or None,
                  stats_from_proto(msg.stats) if msg.HasField("stats") else None,
@@ -173,7 +221,7 @@ class _Base:
 
     def __init__(self, address: str, *, timeout: float = 60.0, tls: bool = False,
                  root_certificates: bytes | str | None = None, token: str | None = None,
-                 retries: int = 3, backoff: float = 0.2, app_name: str | None = "specserve"):
+                 retries: int = 5, backoff: float = 0.25, app_name: str | None = "specserve"):
         _check("address", address, str)
         _check("timeout", timeout, (int, float))
         if timeout <= 0:
@@ -211,7 +259,7 @@ class _Base:
     def _retry_delay(self, attempt: int, err: grpc.RpcError, deadline: float) -> float | None:
         """Seconds to wait before retrying after ``err``, or None to give up."""
         code_fn = getattr(err, "code", None)
-        if attempt >= self.retries or not callable(code_fn) or code_fn() not in _RETRYABLE:
+        if attempt >= self.retries or not callable(code_fn) or not _retryable(err):
             return None
         delay = min(self.backoff * 2**attempt, _MAX_BACKOFF_S) * random.uniform(0.5, 1.0)
         # Retry only if the attempt after the wait still has some of the deadline left.
@@ -223,7 +271,8 @@ class _Base:
 class Client(_Base):
     """Synchronous client. Use as a context manager, or call ``close()``.
 
-    ``retries``: how many times UNAVAILABLE is retried (after the first attempt); the n-th
+    ``retries``: how many times a failure is retried (UNAVAILABLE or a router that died;
+    after the first attempt, streams included, resuming where they stopped); the n-th
     retry waits about ``backoff * 2**n`` seconds (jittered, at most 5 s). ``token`` is sent as
     a bearer token, ``app_name`` as the "application" metadata Ray Serve's gRPC proxy routes
     by (None to omit).
@@ -231,7 +280,7 @@ class Client(_Base):
 
     def __init__(self, address: str, *, timeout: float = 60.0, tls: bool = False,
                  root_certificates: bytes | str | None = None, token: str | None = None,
-                 retries: int = 3, backoff: float = 0.2, app_name: str | None = "specserve"):
+                 retries: int = 5, backoff: float = 0.25, app_name: str | None = "specserve"):
         super().__init__(address, timeout=timeout, tls=tls, root_certificates=root_certificates,
                          token=token, retries=retries, backoff=backoff, app_name=app_name)
         self._channel = (grpc.secure_channel(address, self._credentials()) if tls
@@ -260,8 +309,9 @@ class Client(_Base):
         attempt = 0
         while True:
             try:
-                resp = self._stub.GenerateUnary(
-                    req, timeout=max(deadline - time.monotonic(), 0.0), metadata=metadata)
+                left = max(deadline - time.monotonic(), 0.0)
+                resp = self._stub.GenerateUnary(req, timeout=left,
+                                                metadata=_attempt_metadata(metadata, left))
                 return _result(resp, req.request_id)
             except grpc.RpcError as err:
                 delay = self._retry_delay(attempt, err, deadline)
@@ -284,18 +334,17 @@ class Client(_Base):
 
     def _stream(self, req: pb.GenerateRequest, deadline: float) -> Generator[Chunk, None, None]:
         metadata = self._metadata(req.request_id)
-        attempt = 0
+        attempt, held = 0, _Held()
         while True:
-            call = self._stub.Generate(
-                req, timeout=max(deadline - time.monotonic(), 0.0), metadata=metadata)
-            received = False
+            left = max(deadline - time.monotonic(), 0.0)
+            call = self._stub.Generate(req, timeout=left,
+                                       metadata=_attempt_metadata(metadata, left, held))
             try:
                 for msg in call:
-                    received = True
-                    yield _chunk(msg)
+                    yield held.add(_chunk(msg))
                 return
             except grpc.RpcError as err:
-                delay = None if received else self._retry_delay(attempt, err, deadline)
+                delay = self._retry_delay(attempt, err, deadline)
                 if delay is None:
                     raise SpecServeError.from_rpc_error(err, req.request_id) from None
             finally:
@@ -346,8 +395,9 @@ class AsyncClient(_Base):
         attempt = 0
         while True:
             try:
+                left = max(deadline - time.monotonic(), 0.0)
                 resp = await self._stub().GenerateUnary(
-                    req, timeout=max(deadline - time.monotonic(), 0.0), metadata=metadata)
+                    req, timeout=left, metadata=_attempt_metadata(metadata, left))
                 return _result(resp, req.request_id)
             except grpc.RpcError as err:
                 delay = self._retry_delay(attempt, err, deadline)
@@ -372,18 +422,17 @@ class AsyncClient(_Base):
     async def _stream(self, req: pb.GenerateRequest,
                       deadline: float) -> AsyncGenerator[Chunk, None]:
         metadata = self._metadata(req.request_id)
-        attempt = 0
+        attempt, held = 0, _Held()
         while True:
-            call = self._stub().Generate(
-                req, timeout=max(deadline - time.monotonic(), 0.0), metadata=metadata)
-            received = False
+            left = max(deadline - time.monotonic(), 0.0)
+            call = self._stub().Generate(req, timeout=left,
+                                         metadata=_attempt_metadata(metadata, left, held))
             try:
                 async for msg in call:
-                    received = True
-                    yield _chunk(msg)
+                    yield held.add(_chunk(msg))
                 return
             except grpc.RpcError as err:
-                delay = None if received else self._retry_delay(attempt, err, deadline)
+                delay = self._retry_delay(attempt, err, deadline)
                 if delay is None:
                     raise SpecServeError.from_rpc_error(err, req.request_id) from None
             finally:

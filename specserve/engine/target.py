@@ -151,9 +151,14 @@ class TargetEngine(LRUSessions):
     """Verifies draft blocks of many sessions with one target forward per call."""
 
     def __init__(self, model: torch.nn.Module, cache_budget_bytes: int = 512 << 20,
-                 tp_size: int = 1):
+                 tp_size: int = 1, batch_invariant: bool = False):
         """``tp_size`` > 1: ``model`` is one rank's tensor-parallel shard, which holds
-        ``num_key_value_heads / tp_size`` KV heads (see ``target_service/tp.py``)."""
+        ``num_key_value_heads / tp_size`` KV heads (see ``target_service/tp.py``).
+        ``batch_invariant``: every row is its own forward (no padding, no other rows in its
+        matmuls), so a row's logits are bitwise those it gets alone: CPU/GPU matmul kernels
+        change their reduction order with the batch's shape (measured here: a row of a
+        linear layer differs in its last bits between 1-3 and >= 4 rows), which moves a
+        seeded sample sitting within ~1e-8 of a token boundary. Costs one forward per row."""
         super().__init__(cache_budget_bytes)
         cfg = model.config
         self.model = model
@@ -167,6 +172,7 @@ class TargetEngine(LRUSessions):
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.in_place = _in_place_ok(cfg)  # plain DynamicLayers: writable in place
+        self.batch_invariant = batch_invariant
         self.forward_batches = 0
         self.rows_verified = 0
         self.max_batch_size_seen = 0
@@ -244,6 +250,19 @@ class TargetEngine(LRUSessions):
         return [o for o in outcomes if o is not None]
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
+        """All rows' logits: one padded forward, or (``batch_invariant``) one per row."""
+        if not self.batch_invariant or len(rows) == 1:
+            return self._forward_batch(rows)
+        k_max = max(len(r.item.draft_tokens) for r in rows)
+        out = []
+        for r in rows:
+            lg = self._forward_batch([r])[0]  # [k + 1, V]; slots past k repeat the last
+            out.append(lg[torch.arange(k_max + 1).clamp(max=lg.shape[0] - 1)])
+        self.forward_batches -= len(rows) - 1  # one verify batch, however computed
+        self.max_batch_size_seen = max(self.max_batch_size_seen, len(rows))
+        return torch.stack(out)
+
+    def _forward_batch(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
         b = len(rows)
         p = max(r.past_len for r in rows)
         t = max(len(r.feed) for r in rows)
