@@ -123,6 +123,7 @@ async def generate_stream(ing: Ingress, request, ctx):
     except RequestFailed:
         raise
     except Exception as e:
+        ing.router.count_error(e)
         raise await _fail(ctx, e) from e
 
 
@@ -138,6 +139,7 @@ async def generate_unary(ing: Ingress, request, ctx):
             lps.extend(ch.logprobs or ())
             finish, stats = ch.finish_reason or finish, ch.stats or stats
     except Exception as e:
+        ing.router.count_error(e)
         raise await _fail(ctx, e) from e
     return response_to_proto("".join(text), ids, finish, stats,
                              lps if req.logprobs is not None else None)

@@ -165,6 +165,7 @@ def build_http_app(router: Router, model: str, revisions: tuple[str, str] = ("",
             usage = bool((creq.stream_options or {}).get("include_usage"))
             return await _serve(router, _Kind(chat, token_text), greq, model, creq.stream, usage)
         except Exception as e:  # every failure in OpenAI's error shape
+            router.count_error(e)
             return _error_response(e)
 
     @app.post("/v1/completions")

@@ -230,6 +230,13 @@ class Router:
         finally:
             self.active -= 1
 
+    def count_error(self, err: BaseException) -> None:
+        """A failed request, by status code (every ingress calls this once per failure)."""
+        if self.metrics is not None:
+            from specserve.grpc_api import status_of
+
+            self.metrics.error(status_of(err)[0].name)
+
     def _observer(self, req: GenerationRequest, parent: Context | None) -> Observer:
         observers: list[Observer] = [self.timing]
         if tracing.tracer() is not None:  # tracing off: no span code runs at all

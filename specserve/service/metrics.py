@@ -96,6 +96,10 @@ class RouterMetrics:
             "Cache entries rolled back (the previous round's rejected drafts).", comp)
         self.cache_reprefilled = Counter("specserve_cache_reprefilled_tokens",
                                          "Committed tokens fed again after a cache loss.", comp)
+        self.request_errors = Counter(
+            "specserve_request_errors",
+            "Requests that failed, by gRPC status code name (INVALID_ARGUMENT, UNAVAILABLE, "
+            "...; the HTTP API counts the same codes).", ("code",))
         self._tags: dict[tuple[str, ...], dict[str, str]] = {}
 
     def _t(self, **kv: str) -> dict[str, str]:
@@ -115,6 +119,9 @@ class RouterMetrics:
             self.round_part.observe(value, self._t(part=part, spec=spec))
         if drafted:
             self.acceptance_length.observe(committed, self._t(spec=spec))
+
+    def error(self, code: str) -> None:
+        self.request_errors.inc(1, self._t(code=code))
 
     def first_token(self, spec: str, ttft_s: float) -> None:
         self.ttft.observe(ttft_s, self._t(spec=spec))
