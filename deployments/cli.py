@@ -74,7 +74,31 @@ def _serve_config(args: argparse.Namespace) -> dict:
         models.setdefault("drafter", None if args.drafter == "none" else args.drafter)
     if args.tp is not None:
         config.setdefault("target", {})["tp_size"] = args.tp
+    security = config.setdefault("security", {})
+    if isinstance(security, dict):
+        for flag, key in (("api_keys_file", "api_keys_file"), ("tls_cert", "tls_cert"),
+                          ("tls_key", "tls_key")):
+            if getattr(args, flag, None):
+                security[key] = getattr(args, flag)
+        if getattr(args, "require_api_key", False):
+            security["require_api_key"] = True
     return config
+
+
+def _check_security_files(cfg) -> None:
+    """Key and certificate files must be readable before anything starts."""
+    from specserve.auth import KeyStore
+
+    sec = cfg.security
+    for flag, path in (("--tls-cert", sec.tls_cert), ("--tls-key", sec.tls_key)):
+        if path and not Path(path).is_file():
+            raise UsageError(f"{flag} {path}: no such file")
+    try:
+        keys = KeyStore(sec.api_keys_file, sec.api_keys_env)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--api-keys-file {sec.api_keys_file}: {e}") from None
+    if sec.require_api_key and not keys.enabled:
+        raise UsageError(f"--require-api-key: no keys (--api-keys-file or ${sec.api_keys_env})")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -88,26 +112,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    if not 0 < args.http_port < 65536 or args.http_port == args.port:
+        raise UsageError(f"--http-port must be in 1..65535 and differ from --port, got "
+                         f"{args.http_port}")
     try:  # before Ray starts: a bad config leaves nothing running
         cfg = validate_app_config(_serve_config(args))
     except ValidationError as e:
         raise UsageError(f"config: {describe_validation_error(e)}") from None
     except (ValueError, OSError) as e:
         raise UsageError(f"--tp: {e}") from None
+    _check_security_files(cfg)
     out = product_stdout()
     quiet_libraries()
     from deployments.local import APP_NAME, start_local
 
     print(f"[specserve] starting Ray and the deployments (target {cfg.models.target}, "
           f"drafter {cfg.models.drafter}) ...", file=sys.stderr)
-    service = start_local(cfg, port=args.port, num_cpus=args.num_cpus)
+    service = start_local(cfg, port=args.port, num_cpus=args.num_cpus,
+                          http_port=args.http_port)
     # After ray.init: Ray installs its own SIGTERM handler (which aborts); ours replaces it
     # so that SIGTERM, like Ctrl-C, shuts Serve and the local cluster down cleanly.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"[specserve] serving gRPC on {service.grpc_address} (application '{APP_NAME}', "
-          f"journal {service.redis_url or 'off'}); Ctrl-C to stop", file=sys.stderr)
+    tls = "TLS" if cfg.security.tls_cert else "plaintext"
+    import os
+
+    env = cfg.security.api_keys_env
+    auth = ("API keys" if cfg.security.api_keys_file or (env and os.environ.get(env))
+            else "no API keys: open")
+    print(f"[specserve] serving gRPC ({tls}, {auth}) on {service.grpc_address} (application "
+          f"'{APP_NAME}', journal {service.redis_url or 'off'}); OpenAI-compatible HTTP API "
+          f"on {service.http_address}/v1; Ctrl-C to stop", file=sys.stderr)
     print(service.grpc_address, file=out, flush=True)
     try:
         stop.wait()
@@ -127,6 +163,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("serve", help="run the distributed service on a local Ray cluster")
     s.add_argument("--port", type=int, default=9000, help="gRPC port (default 9000)")
+    s.add_argument("--http-port", type=int, default=8000,
+                   help="port of the OpenAI-compatible HTTP API (default 8000)")
     add_model_flags(s)
     s.add_argument("--config", help="YAML/JSON AppConfig (deployments/config.py); flags "
                                     "fill what it leaves out")
@@ -134,4 +172,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--tp", type=int, default=None, metavar="N",
                    help="tensor-parallel ranks per target replica (AppConfig target.tp_size; "
                         "default 1); must divide the target's attention heads")
+    s.add_argument("--api-keys-file", metavar="PATH", help="API keys ('name: key' lines or a "
+                   "JSON/YAML mapping; re-read when it changes); without it and without "
+                   "$SPECSERVE_API_KEYS the API is open (docs/security.md)")
+    s.add_argument("--require-api-key", action="store_true",
+                   help="refuse to start without API keys")
+    s.add_argument("--tls-cert", metavar="PEM", help="TLS certificate (chain) of the public "
+                   "port; with --tls-key the port speaks TLS only")
+    s.add_argument("--tls-key", metavar="PEM", help="TLS private key of the public port")
     s.set_defaults(func=cmd_serve)

@@ -155,11 +155,40 @@ def test_curl_streams_server_sent_events(service, grpc_refs):
     assert all(c["object"] == "text_completion" for c in chunks)
 
 
-def _post(url: str, body: dict | bytes) -> tuple[int, dict]:
+def _post(url: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def keyed_app(service, tmp_path_factory):
+    """An app that requires API keys (a keys file, as `security.api_keys_file`)."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("alice: alice-key-0123456789abcdef\n")
+    serve.run(build_app({"redis_url": service.redis_url,
+                         "security": {"api_keys_file": str(keys), "api_keys_env": None}}),
+              name="specserve-keys", route_prefix="/keys")
+    yield f"{service.http_address}/keys"
+    serve.delete("specserve-keys")
+
+
+def test_bearer_auth_applies_to_http(keyed_app):
+    body = {"model": MODEL, "prompt": "def f(", "max_tokens": 4, "temperature": 0}
+    for headers in ({}, {"Authorization": "Bearer wrong-key-0123456789"},
+                    {"Authorization": "Basic alice-key-0123456789abcdef"}):
+        status, err = _post(keyed_app + "/v1/completions", body, headers)
+        assert status == 401, (headers, err)
+        assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+    status, ok = _post(keyed_app + "/v1/completions", body,
+                       {"Authorization": "Bearer alice-key-0123456789abcdef"})
+    assert status == 200 and ok["usage"]["completion_tokens"] == 4
