@@ -30,6 +30,7 @@ from specserve.grpc_api import (
 from specserve.proto_gen.specserve.v1 import specserve_pb2 as pb
 from specserve.resume import (
     CALLER_ANONYMOUS,
+    CANCEL_KEY,
     DEADLINE_KEY,
     RESUME_KEY,
     ResumePoint,
@@ -106,6 +107,21 @@ def call_of(ing: Ingress, req: GenerationRequest, ctx) -> tuple[str | None, Call
     return request_id, Call(caller, resume, deadline)
 
 
+async def cancel_call(ing: Ingress, ctx) -> bool:
+    """A ``specserve-cancel`` call: mark the caller's request cancelled (the router running
+    it stops at its next round). False when this call is no cancel."""
+    md = _metadata(ctx)
+    if md.get(CANCEL_KEY) != "1":
+        return False
+    caller = ing.caller(ctx)
+    request_id = GenerationRequest.model_validate(
+        {"prompt": "x", "request_id": md.get("request_id") or None}).request_id
+    if not request_id:
+        raise RequestError(f"{CANCEL_KEY}: name the request in the request_id metadata")
+    await ing.router.journal.cancel(caller, request_id)
+    return True
+
+
 def _parent(ctx):
     """The client's trace context (W3C ``traceparent`` metadata), when tracing is on."""
     if ctx is None or tracer() is None:
@@ -115,6 +131,9 @@ def _parent(ctx):
 
 async def generate_stream(ing: Ingress, request, ctx):
     try:
+        if await cancel_call(ing, ctx):
+            yield chunk_to_proto("", [], "abort", None)
+            return
         req = decode(ing, request)
         request_id, call = call_of(ing, req, ctx)
         async for ch in ing.router.generate(req, request_id, _parent(ctx), call):
@@ -130,6 +149,8 @@ async def generate_stream(ing: Ingress, request, ctx):
 async def generate_unary(ing: Ingress, request, ctx):
     text, ids, finish, stats, lps = [], [], "", None, []
     try:
+        if await cancel_call(ing, ctx):
+            return response_to_proto("", [], "abort", {})
         req = decode(ing, request)
         request_id, call = call_of(ing, req, ctx)
         call.resume = ResumePoint()  # a unary caller holds nothing

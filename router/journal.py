@@ -35,6 +35,7 @@ TTL_S = 3600
 
 # Create the entry bound to (digest, seed), or return the one there: {created, d, s, n, t, f}.
 _OPEN = """
+redis.call('DEL', KEYS[2])  -- a new attempt: an earlier cancel is over
 local d = redis.call('HGET', KEYS[1], 'd')
 if not d then
   redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'n', '0', 't', '')
@@ -46,8 +47,10 @@ return {0, d, v[1] or '', v[2] or '0', v[3] or '', v[4] or ''}
 """
 
 # Append tokens (and a finish reason) iff the entry exists, is bound to this digest and
-# holds exactly ARGV[2] tokens. Returns 1, or 0 when refused.
+# holds exactly ARGV[2] tokens. Returns 1, 0 when refused, 2 when the caller cancelled the
+# request (KEYS[2] set by ``cancel``: any router replica may receive the cancel).
 _APPEND = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
 local v = redis.call('HMGET', KEYS[1], 'd', 'n', 't', 'f')
 if v[1] ~= ARGV[1] or v[2] ~= ARGV[2] or (v[4] and v[4] ~= '') then return 0 end
 redis.call('HSET', KEYS[1], 't', (v[3] or '') .. ARGV[3], 'n', ARGV[4])
@@ -68,6 +71,7 @@ class Entry:
     finish: str | None = None
     count: int = 0  # tokens the entry holds now (what the next append extends)
     broken: bool = False  # a write was refused or failed: no more writes for this request
+    cancelled: bool = False  # the caller cancelled it (``Journal.cancel``, any router)
 
 
 class Journal:
@@ -97,7 +101,7 @@ class Journal:
             return None
         key = self.key(caller, request_id)
         try:
-            _, d, s, n, t, f = await self._open(keys=[key],
+            _, d, s, n, t, f = await self._open(keys=[key, key + ":cancel"],
                                                 args=[digest, str(seed), self.ttl_s])
         except Exception as e:
             self._degrade(e)
@@ -126,7 +130,7 @@ class Journal:
                 str(entry.count + len(tokens)), finish or "", self.ttl_s]
         for attempt in range(2):
             try:
-                ok = await self._append(keys=[entry.key], args=args)
+                ok = await self._append(keys=[entry.key, entry.key + ":cancel"], args=args)
                 break
             except Exception as e:
                 if attempt == 1:
@@ -134,6 +138,9 @@ class Journal:
                     ok = 0
                 else:
                     await asyncio.sleep(0.05)
+        if ok == 2:
+            entry.cancelled = True
+            return False
         if not ok:
             self.write_failures += 1
             entry.broken = True
@@ -142,6 +149,20 @@ class Journal:
             return False
         entry.count += len(tokens)
         return True
+
+    async def cancel(self, caller: str, request_id: str) -> bool:
+        """Mark the request cancelled: whichever router runs it stops at its next write (one
+        round). For callers whose cancellation Serve's proxy does not pass on (a client
+        cancel can be lost there); the SDK sends it when a stream is closed early."""
+        if self._redis is None:
+            return False
+        try:
+            await self._redis.set(self.key(caller, request_id) + ":cancel", "1",
+                                  ex=min(self.ttl_s, 600))
+            return True
+        except Exception as e:
+            self._degrade(e)
+            return False
 
     def _degrade(self, e: Exception) -> None:
         self.degraded += 1

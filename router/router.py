@@ -45,6 +45,7 @@ from specserve.core.stats import AcceptanceStats
 from specserve.engine.detok import IncrementalDetokenizer
 from specserve.engine.generator import new_state
 from specserve.errors import (
+    Cancelled,
     DataLoss,
     DeadlineExceeded,
     Overloaded,
@@ -194,6 +195,15 @@ def _check_deadline(call: Call, state: RequestState | None) -> None:
         raise DeadlineExceeded(f"the caller's deadline passed{done}")
 
 
+def _past_deadline(e: BaseException, call: Call) -> bool:
+    """Our own deadline check, or a cancel from the caller's side at its deadline (the
+    client's gRPC deadline and ours expire together; whichever lands first stops it)."""
+    if isinstance(e, DeadlineExceeded):
+        return True
+    return (isinstance(e, asyncio.CancelledError) and call.deadline is not None
+            and time.monotonic() >= call.deadline - 0.1)
+
+
 class Router:
     def __init__(self, tokenizer: Any, config: RouterConfig, drafters: LeasePool | None,
                  targets: LeasePool, journal: Journal | None = None,
@@ -278,6 +288,8 @@ class Router:
             verifier = await self._verifier(state)
             async for o in speculate(state, proposer, verifier, FixedK(), observer, detok):
                 await self.journal.append(entry, list(o.tokens), o.finish)  # before streaming
+                if entry is not None and entry.cancelled:
+                    raise Cancelled("cancelled by the caller")
                 if o.finish is None:
                     yield RouterChunk(o.text, list(o.tokens), logprobs=o.logprobs)
                     _check_deadline(call, state)
@@ -287,7 +299,7 @@ class Router:
         except BaseException as e:
             error = e
             if state.finish is None:  # counted as such in the metrics, not as "length"
-                state.finish_with("deadline" if isinstance(e, DeadlineExceeded) else "abort")
+                state.finish_with("deadline" if _past_deadline(e, call) else "abort")
             raise
         finally:
             if verifier is not None:

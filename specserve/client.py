@@ -32,6 +32,7 @@ server's spans of the request join the caller's trace. Nothing is imported other
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import sys
 import time
@@ -47,7 +48,7 @@ from specserve.api import TokenLogprob
 from specserve.grpc_api import SPEC_TO_PROTO, logprobs_from_proto, stats_from_proto
 from specserve.proto_gen.specserve.v1 import specserve_pb2 as pb
 from specserve.proto_gen.specserve.v1 import specserve_pb2_grpc as pb_grpc
-from specserve.resume import DEADLINE_KEY, RESUME_KEY, ResumePoint, tokens_digest
+from specserve.resume import CANCEL_KEY, DEADLINE_KEY, RESUME_KEY, ResumePoint, tokens_digest
 
 __all__ = ["AsyncClient", "Chunk", "Client", "Result", "SpecServeError", "health_check"]
 
@@ -249,6 +250,13 @@ class _Base:
     def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
         return (*self._base_metadata, ("request_id", request_id), *_trace_metadata())
 
+    def _cancel_args(self, request_id: str) -> tuple[pb.GenerateRequest, dict]:
+        """A best-effort cancel of a stream the caller closed early: Serve's proxy does not
+        always pass the client's cancellation on, so the service is told explicitly."""
+        return pb.GenerateRequest(request_id=request_id), {
+            "timeout": 2.0, "metadata": (*self._base_metadata, ("request_id", request_id),
+                                         (CANCEL_KEY, "1"))}
+
     def _deadline(self, timeout: float | None) -> float:
         _check("timeout", timeout, (int, float), optional=True)
         t = self.timeout if timeout is None else float(timeout)
@@ -343,6 +351,12 @@ class Client(_Base):
                 for msg in call:
                     yield held.add(_chunk(msg))
                 return
+            except GeneratorExit:  # closed by the caller before the end
+                call.cancel()
+                msg, kw = self._cancel_args(req.request_id)
+                with contextlib.suppress(grpc.RpcError):
+                    self._stub.GenerateUnary(msg, **kw)
+                raise
             except grpc.RpcError as err:
                 delay = self._retry_delay(attempt, err, deadline)
                 if delay is None:
@@ -431,6 +445,12 @@ class AsyncClient(_Base):
                 async for msg in call:
                     yield held.add(_chunk(msg))
                 return
+            except GeneratorExit:  # closed by the caller before the end
+                call.cancel()
+                msg, kw = self._cancel_args(req.request_id)
+                with contextlib.suppress(grpc.RpcError):
+                    await self._stub().GenerateUnary(msg, **kw)
+                raise
             except grpc.RpcError as err:
                 delay = self._retry_delay(attempt, err, deadline)
                 if delay is None:

@@ -8,6 +8,9 @@
   ``specserve-resume: TOKENS,CHARS,DIGEST``: token count, text length in characters and a
   digest of those token ids); the service sends only the rest, and checks the regenerated
   tokens against the digest (``DataLoss`` if they differ, never a silent mismatch).
+* ``specserve-cancel: 1`` (with ``request_id``): stop that request wherever it runs; the SDK
+  sends it when a stream is closed early, because Ray Serve's proxy does not always pass a
+  client's cancellation on to the replica.
 * ``specserve-deadline-ms``: the caller's remaining deadline when it sent the call; the
   service stops the request when it passes (gRPC's own deadline is not visible behind Ray
   Serve's proxy).
@@ -25,6 +28,7 @@ from typing import Any
 
 RESUME_KEY = "specserve-resume"
 DEADLINE_KEY = "specserve-deadline-ms"
+CANCEL_KEY = "specserve-cancel"  # "1": cancel the request named by request_id (any router)
 CALLER_ANONYMOUS = "anonymous"
 
 

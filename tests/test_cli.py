@@ -38,6 +38,10 @@ def test_generate_streams_text_only_to_stdout():
         (["generate", "x", "--drafter", "/nonexistent"], "no config.json"),
         (["serve", "--port", "70000"], "--port"),
         (["bench", "--ks", "a,b"], "--ks"),
+        (["serve", "--tls-cert", "/nonexistent.pem"], "tls_cert and tls_key"),
+        (["serve", "--tls-cert", "/nonexistent.pem", "--tls-key", "/x.pem"], "--tls-cert"),
+        (["serve", "--api-keys-file", "/nonexistent-keys"], "--api-keys-file"),
+        (["serve", "--require-api-key"], "--require-api-key"),
     ],
 )
 def test_bad_input_exits_2_with_a_reason(args, needle):
