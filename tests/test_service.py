@@ -9,11 +9,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from service_client import stream_with_fault
 
 from specserve.api import GenerationRequest
 
@@ -141,15 +140,8 @@ def test_replica_restart_mid_request(service, generator, heldout):
     before = serve.get_deployment_handle("Router", "specserve").stats.remote().result()
     assert before["target_reconnects"] == 0
     jobs = [{"prompt": p, "max_tokens": n_new, "spec": "draft", "k": 2} for p in prompts]
-
-    def kill_soon():
-        time.sleep(1.0)
-        os.kill(pid, 9)
-
-    killer = threading.Thread(target=kill_soon)
-    killer.start()
-    results = _clients(service.grpc_address, jobs)
-    killer.join()
+    # the kill fires once every request has received 16 tokens
+    results = stream_with_fault(service.grpc_address, jobs, lambda: os.kill(pid, 9), 16)
     assert [r.get("token_ids") for r in results] == refs, results
     assert target.pid.remote().result() != pid
     router = serve.get_deployment_handle("Router", "specserve").stats.remote().result()
@@ -212,12 +204,9 @@ def test_drafter_failure_turns_speculation_off(service, tiny_app, generator, hel
             for p in prompts]
     drafter = serve.get_deployment_handle("Drafter", tiny_app)
     pid = drafter.pid.remote().result()
-    killer = threading.Timer(1.0, os.kill, (pid, 9))
-    killer.start()
-    results = _clients(service.grpc_address, [
+    results = stream_with_fault(service.grpc_address, [
         {"prompt": p, "max_tokens": n_new, "spec": "draft", "k": 3} for p in prompts],
-        app=tiny_app)
-    killer.join()
+        lambda: os.kill(pid, 9), 16, app=tiny_app)
     assert [r.get("token_ids") for r in results] == refs, results
     reasons = [r["stats"]["speculation_disabled_reason"] for r in results]
     assert all(r.startswith("drafter") for r in reasons), reasons

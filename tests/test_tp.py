@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import free_port
+from service_client import stream_with_fault
 from test_service import MAX_NEW, _clients
 
 from specserve.api import GenerationRequest
@@ -140,12 +140,9 @@ def test_killing_a_rank_mid_generation_keeps_outputs(service, tp_app, generator,
     pid0 = target.pid.remote().result()
     (worker,) = target.tp_workers.remote().result()
     pid1 = ray.get(worker.pid.remote(), timeout=30)
-    killer = threading.Timer(1.5, os.kill, (pid1, 9))
-    killer.start()
-    results = _clients(service.grpc_address, [
+    results = stream_with_fault(service.grpc_address, [
         {"prompt": p, "max_tokens": n_new, "spec": "draft", "k": 2} for p in prompts],
-        app=tp_app)
-    killer.join()
+        lambda: os.kill(pid1, 9), 16, app=tp_app)
     assert [r.get("token_ids") for r in results] == refs, results
     assert target.pid.remote().result() != pid0  # the group was replaced as a whole
     router = serve.get_deployment_handle("Router", tp_app).stats.remote().result()
