@@ -1,4 +1,4 @@
-"""The Grafana dashboard (docs/grafana/specserve-dashboard.json): every PromQL expression
+"""The Grafana dashboard (helm/dashboards/specserve.json): every PromQL expression
 names only metrics a running service exports (Ray's metrics endpoint, scraped after a
 workload that exercises every panel: drafts, ngram, spec-off, cache misses, an error)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_service import _clients
 
-DASHBOARD = Path(__file__).parent.parent / "docs" / "grafana" / "specserve-dashboard.json"
+DASHBOARD = Path(__file__).parent.parent / "helm" / "dashboards" / "specserve.json"
 APP = "specserve-dash"
 METRIC = re.compile(r"\bray_specserve_[a-z0-9_]+\b")
 

@@ -408,6 +408,19 @@ def test_pod_monitor_only_where_the_prometheus_operator_api_is_served() -> None:
 
 
 @unit
+def test_grafana_dashboard_configmap_is_the_repos_dashboard() -> None:
+    def dashboards(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [d for d in of_kind(docs, "ConfigMap")
+                if d["metadata"]["name"].endswith("-dashboard")]
+
+    assert not dashboards(render(None))
+    (cm,) = dashboards(render({"observability": {"grafanaDashboard": {"enabled": True}}}))
+    shipped = json.loads((CHART / "dashboards" / "specserve.json").read_text())
+    assert json.loads(cm["data"]["specserve.json"]) == shipped
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+@unit
 def test_pdbs_cover_each_worker_group() -> None:
     docs = _rendered(None)
     pods = _pod_labels(docs)
