@@ -15,7 +15,7 @@ import torch
 
 def verify_calls() -> list[list]:
     from specserve.core.sampling import SamplingParams
-    from target_service.engine import VerifyItem
+    from specserve.engine.target import VerifyItem
 
     greedy = SamplingParams()
     a = list(range(5, 41))
