@@ -73,9 +73,14 @@ class ResumePoint:
         tokens, chars = int(parts[0]), int(parts[1])
         if not (0 <= tokens <= 1 << 20 and 0 <= chars <= 1 << 26):
             raise ValueError(f"{RESUME_KEY}: counts out of range")
-        if tokens and not parts[2]:
-            raise ValueError(f"{RESUME_KEY}: a digest of the held tokens is required")
+        if tokens and not _is_digest(parts[2]):
+            raise ValueError(f"{RESUME_KEY}: a digest of the held tokens (32 hex digits) is "
+                             "required")
         return cls(tokens, chars, parts[2])
+
+
+def _is_digest(text: str) -> bool:
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
 def parse_deadline_ms(value: str | None) -> float | None:

@@ -255,6 +255,35 @@ def test_journal_without_redis_degrades(tmp_path):
     asyncio.run(main())
 
 
+# ------------------------------------------------------------------------- resume
+def test_a_resumed_stream_gets_only_the_rest_and_is_checked():
+    from router.router import Delivery, RouterChunk
+    from specserve.errors import DataLoss, RequestError
+    from specserve.resume import ResumePoint, tokens_digest
+
+    chunks = [("ab", [1, 2]), ("cde", [3, 4, 5]), ("f", [6])]
+
+    def run(point):
+        d = Delivery(point)
+        out = []
+        for i, (text, ids) in enumerate(chunks):
+            ch = d.cut(RouterChunk(text, list(ids), "length" if i == 2 else None))
+            if ch is not None:
+                out.append((ch.text, ch.token_ids))
+        return out
+
+    assert run(ResumePoint()) == [("ab", [1, 2]), ("cde", [3, 4, 5]), ("f", [6])]
+    # held 3 tokens and 3 characters: only the rest, nothing twice, nothing missing
+    assert run(ResumePoint(3, 3, tokens_digest([1, 2, 3]))) == [("de", [4, 5]), ("f", [6])]
+    # text and tokens need not cut at the same chunk (a character held back)
+    assert run(ResumePoint(2, 1, tokens_digest([1, 2]))) == [("b", []), ("cde", [3, 4, 5]),
+                                                              ("f", [6])]
+    with pytest.raises(DataLoss):  # regenerated tokens differ from what the caller holds
+        run(ResumePoint(3, 3, tokens_digest([1, 2, 9])))
+    with pytest.raises(RequestError):  # holds more than the request produces
+        run(ResumePoint(9, 9, tokens_digest(list(range(9)))))
+
+
 # ------------------------------------------------------------------------- health
 def test_health_is_serving_only_when_a_target_answers():
     from grpc_health.v1 import health_pb2
