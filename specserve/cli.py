@@ -219,6 +219,7 @@ def _int_list(flag: str, value: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    out = product_stdout()  # the report's summary only; Ray's lines go to stderr
     quiet_libraries()
     if args.concurrency is None:
         args.concurrency = "1,2,4,8,16,32" if args.suite else "1,4,16"
@@ -242,7 +243,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             _int_list("--ks", args.ks) if args.ks else [2, 4], Path(args.out), classes=classes,
             requests_per_level=args.prompts, baselines=not args.no_hf,
             poisson_rate=args.rate)
-        print((Path(args.out) / "summary.md").read_text())
+        print((Path(args.out) / "summary.md").read_text(), file=out)
         return 0 if report["mismatches"]["total"] == 0 else 1
     if args.service or args.server:
         from specserve.bench.service import run_service_bench, summarize
@@ -254,7 +255,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args.server or local_service_starter(), args.target, args.drafter, conc,
             _int_list("--ks", args.ks) if args.ks else [2, 4], args.max_tokens,
             Path(args.out), requests_per_level=args.prompts)
-        print(json.dumps(summarize(report), indent=1))
+        print(json.dumps(summarize(report), indent=1), file=out)
         return 0
     from specserve.bench.single import run_single_process_bench
 
@@ -271,7 +272,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=args.target, drafter=args.drafter, ks=ks, n_prompts=args.prompts,
         max_tokens=args.max_tokens, out_dir=Path(args.out), with_hf=not args.no_hf,
     )
-    print(json.dumps(report["summary"], indent=2))
+    print(json.dumps(report["summary"], indent=2), file=out)
     return 0
 
 
