@@ -243,10 +243,12 @@ class RouterDeployment:
     def __serve_build_asgi_app__(self):
         from deployments.http_ingress import build_http_app
         from specserve.errors import ServiceError
+        from specserve.resume import CALLER_ANONYMOUS
 
-        async def authorize(request) -> None:
-            if self.keys.enabled:
-                self.keys.caller(request.headers.items())  # raises Unauthenticated
+        async def authorize(request) -> str:  # the key's name, as on gRPC
+            if not self.keys.enabled:
+                return CALLER_ANONYMOUS
+            return self.keys.caller(request.headers.items())  # raises Unauthenticated
 
         async def healthy() -> bool:
             try:

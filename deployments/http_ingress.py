@@ -15,14 +15,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from router.router import Router, RouterChunk
+from router.router import Call, Router, RouterChunk
 from specserve import openai_api as oa
 from specserve.api import GenerationRequest
 from specserve.errors import RequestError
 
 MAX_BODY_BYTES = 8 << 20
 
-Authorize = Callable[[Request], Awaitable[None]]  # raises ServiceError (401/403) to refuse
+# the caller's name (it scopes the caller's journal entries); raises Unauthenticated to refuse
+Authorize = Callable[[Request], Awaitable[str]]
 
 
 class _Kind:
@@ -125,9 +126,9 @@ def _error_response(err: BaseException) -> JSONResponse:
 
 
 async def _serve(router: Router, kind: _Kind, req: GenerationRequest, model: str,
-                 stream: bool, include_usage: bool) -> Any:
+                 stream: bool, include_usage: bool, call: Call) -> Any:
     rid = oa.new_id(kind.prefix)
-    chunks = router.generate(req, rid)
+    chunks = router.generate(req, rid, None, call)
     first = await anext(chunks)  # errors before any output become an HTTP status
     if stream:
         return StreamingResponse(_events(kind, chunks, first, rid, model, include_usage),
@@ -150,8 +151,7 @@ def build_http_app(router: Router, model: str, revisions: tuple[str, str] = ("",
 
     async def endpoint(request: Request, chat: bool) -> Any:
         try:
-            if authorize is not None:
-                await authorize(request)
+            call = Call(caller=await authorize(request)) if authorize is not None else Call()
             body = await _json(request)
             if chat:
                 creq = oa.parse(oa.ChatRequest, body)
@@ -163,7 +163,8 @@ def build_http_app(router: Router, model: str, revisions: tuple[str, str] = ("",
                 greq = oa.completion_request(creq)
             check_model(creq.model)
             usage = bool((creq.stream_options or {}).get("include_usage"))
-            return await _serve(router, _Kind(chat, token_text), greq, model, creq.stream, usage)
+            return await _serve(router, _Kind(chat, token_text), greq, model, creq.stream, usage,
+                                call)
         except Exception as e:  # every failure in OpenAI's error shape
             router.count_error(e)
             return _error_response(e)
