@@ -94,3 +94,27 @@ def test_seeded_samples_do_not_depend_on_the_batch(builtin_pair, requests_):
     assert len(rows) > n  # every request's rounds were compared ...
     assert bitwise == 0  # ... and each row's logits are bitwise those it gets alone
     assert differing == 0
+
+
+def test_greedy_rows_share_a_forward_and_sampled_rows_stay_invariant(builtin_pair, requests_):
+    """With batch invariance on, sampled rows run alone (bitwise their own logits) while the
+    greedy rows of the same batch share one forward: greedy needs only the argmax."""
+    from specserve.engine.lockstep import run_lockstep
+
+    sampled = requests_[:6]
+    greedy = [r.model_copy(update={"temperature": 0.0, "seed": None}) for r in requests_[6:12]]
+    mixed = [x for pair in zip(sampled, greedy, strict=True) for x in pair]
+    alone = [_run(builtin_pair, [r], [[0]], True)[0][0] for r in sampled]
+    drafter, target = _engines(builtin_pair, True)
+    sizes: list[int] = []
+    forward = target._forward_batch
+
+    def counted(rows):
+        sizes.append(len(rows))
+        return forward(rows)
+
+    target._forward_batch = counted
+    states = run_lockstep(drafter, target, mixed, builtin_pair.tokenizer.eos_token_id)
+    assert [s.output for s in states[0::2]] == alone  # sampled: as alone
+    assert max(sizes) == len(greedy)  # the greedy rows shared one forward ...
+    assert sizes.count(1) >= len(sampled)  # ... while each sampled row ran on its own

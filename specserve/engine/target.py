@@ -250,15 +250,21 @@ class TargetEngine(LRUSessions):
         return [o for o in outcomes if o is not None]
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
-        """All rows' logits: one padded forward, or (``batch_invariant``) one per row."""
-        if not self.batch_invariant or len(rows) == 1:
+        """All rows' logits: one padded forward; with ``batch_invariant``, every sampled row
+        is its own forward (its random draws compare against bitwise the same p whatever
+        else is in the batch) and the greedy rows share one (argmax needs no last bits)."""
+        sampled = [i for i, r in enumerate(rows) if not r.item.sampling.greedy]
+        if not self.batch_invariant or len(rows) == 1 or not sampled:
             return self._forward_batch(rows)
+        greedy = [i for i in range(len(rows)) if i not in set(sampled)]
+        groups = [[i] for i in sampled] + ([greedy] if greedy else [])
         k_max = max(len(r.item.draft_tokens) for r in rows)
-        out = []
-        for r in rows:
-            lg = self._forward_batch([r])[0]  # [k + 1, V]; slots past k repeat the last
-            out.append(lg[torch.arange(k_max + 1).clamp(max=lg.shape[0] - 1)])
-        self.forward_batches -= len(rows) - 1  # one verify batch, however computed
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for group in groups:
+            lg = self._forward_batch([rows[i] for i in group])  # [g, k_g + 1, V]
+            for j, i in enumerate(group):  # slots past a row's k repeat its last one
+                out[i] = lg[j, torch.arange(k_max + 1).clamp(max=lg.shape[1] - 1)]
+        self.forward_batches -= len(groups) - 1  # one verify batch, however computed
         self.max_batch_size_seen = max(self.max_batch_size_seen, len(rows))
         return torch.stack(out)
 
