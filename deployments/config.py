@@ -134,11 +134,12 @@ class TargetOptions(BaseModel):
                                   "used this long is released (its cache rebuilds on use)")
     max_queue: int = Field(1024, ge=1, le=1 << 20, description="verify rows waiting for a "
                            "forward, all streams together; beyond it RESOURCE_EXHAUSTED")
-    batch_invariant: bool = Field(True, description="each row's logits computed on its own "
-                                  "(bitwise independent of the batch and of padding), so "
-                                  "seeded sampling never depends on what else is served; "
-                                  "false: one padded forward for the batch (faster, last-bit "
-                                  "differences between batch mixes)")
+    batch_invariant: bool = Field(True, description="each sampled row's logits computed on "
+                                  "its own (bitwise independent of the batch and of padding), "
+                                  "so seeded sampling never depends on what else is served; "
+                                  "greedy rows share one forward either way; false: one "
+                                  "padded forward for the batch (faster, last-bit differences "
+                                  "between batch mixes)")
 
 
 class Security(BaseModel):
