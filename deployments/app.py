@@ -190,6 +190,7 @@ def make_router(cfg: AppConfig, drafter_handle: Any, target_handle: Any) -> Any:
 
     from router.journal import Journal
     from router.leases import ServeLeasePool
+    from router.priors import PriorStore
     from router.router import Router, RouterConfig
     from specserve.models.load import check_tokenizers, resolve_model
     from specserve.models.revision import model_revision
@@ -204,6 +205,7 @@ def make_router(cfg: AppConfig, drafter_handle: Any, target_handle: Any) -> Any:
         check_tokenizers(tok, AutoTokenizer.from_pretrained(dpath), m.target, m.drafter)
         drev = model_revision(dpath)
     mcfg = AutoConfig.from_pretrained(tpath)
+    metrics = RouterMetrics()
     return Router(
         tok,
         RouterConfig(max_context=mcfg.max_position_embeddings, eos_token_id=tok.eos_token_id,
@@ -215,7 +217,7 @@ def make_router(cfg: AppConfig, drafter_handle: Any, target_handle: Any) -> Any:
                                sec.max_internal_message_bytes),
         journal=Journal(cfg.journal_url(), ttl_s=r.journal_ttl_s),
         revisions=(model_revision(tpath), drev),
-        metrics=RouterMetrics())
+        metrics=metrics, priors=PriorStore(cfg.journal_url(), on_error=metrics.prior_error))
 
 
 @serve.deployment(name="Router")

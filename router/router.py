@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from router.journal import Entry, Journal
 from router.leases import Lease
 from router.mux import StreamBroken
+from router.priors import PriorStore
 from specserve import tracing
 from specserve.api import GenerationRequest, TokenLogprob, prepare_prompt
 from specserve.contract import (
@@ -54,9 +55,10 @@ from specserve.errors import (
     Unavailable,
 )
 from specserve.observers import MetricsObserver, RoundTiming, TracingObserver
+from specserve.policy import CostModel, GoodputPolicy, policy_for
 from specserve.resume import CALLER_ANONYMOUS, ResumePoint, derive_seed, request_digest
 from specserve.resume import tokens_digest as held_digest
-from specserve.rounds import FixedK, Observer, Observers, RequestState, speculate
+from specserve.rounds import Observer, Observers, RequestState, speculate
 from specserve.service import wire
 
 if TYPE_CHECKING:
@@ -207,7 +209,8 @@ def _past_deadline(e: BaseException, call: Call) -> bool:
 class Router:
     def __init__(self, tokenizer: Any, config: RouterConfig, drafters: LeasePool | None,
                  targets: LeasePool, journal: Journal | None = None,
-                 revisions: tuple[str, str] = ("", ""), metrics: RouterMetrics | None = None):
+                 revisions: tuple[str, str] = ("", ""), metrics: RouterMetrics | None = None,
+                 priors: PriorStore | None = None):
         self.tok = tokenizer
         self.cfg = config
         self.drafters = drafters
@@ -219,6 +222,8 @@ class Router:
         self.target_reconnects = 0  # leases renewed after a target stream broke
         self.timing = RoundTiming()  # bounded window of recent rounds (router_stats)
         self.totals = AcceptanceStats()
+        self.cost = CostModel()  # spec=auto: verify / draft / overhead times of its rounds
+        self.priors = priors or PriorStore(None)  # spec=auto: the fleet's acceptance
 
     async def generate(self, req: GenerationRequest, request_id: str | None = None,
                        parent: Context | None = None,
@@ -275,6 +280,7 @@ class Router:
         detok = IncrementalDetokenizer(self.tok, req.stop)
         leases: dict[str, Lease] = {}
         verifier: RemoteVerifier | None = None
+        policy = None
         error: BaseException | None = None
         try:
             entry = await self.journal.open(call.caller, request_id, digest,
@@ -286,7 +292,9 @@ class Router:
                 return
             proposer = await self._proposer(state, leases)
             verifier = await self._verifier(state)
-            async for o in speculate(state, proposer, verifier, FixedK(), observer, detok):
+            priors = await self.priors.read(self.revisions) if state.spec == "auto" else None
+            policy = policy_for(state, self.cost, self.drafters is not None, priors)
+            async for o in speculate(state, proposer, verifier, policy, observer, detok):
                 await self.journal.append(entry, list(o.tokens), o.finish)  # before streaming
                 if entry is not None and entry.cancelled:
                     raise Cancelled("cancelled by the caller")
@@ -304,6 +312,8 @@ class Router:
         finally:
             if verifier is not None:
                 leases["target"] = verifier.lease  # the last one leased
+            if isinstance(policy, GoodputPolicy):
+                self.priors.add(self.revisions, policy.counts)
             self._release(state, leases, observer, error)
 
     def _resume(self, state: RequestState, detok: IncrementalDetokenizer,

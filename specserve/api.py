@@ -23,6 +23,8 @@ class SpecMode(StrEnum):
     OFF = "off"  # plain target decoding: the baseline path
     DRAFT = "draft"  # a draft model proposes
     NGRAM = "ngram"  # prompt lookup proposes (q one-hot)
+    AUTO = "auto"  # every round: the draft model, prompt lookup or nobody, and k <= k, by
+    #                expected goodput of the target batch (specserve.policy)
 
 
 @dataclass
@@ -49,8 +51,8 @@ class GenerationRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 = off")
     seed: int | None = Field(None, ge=0, lt=2**63, description="makes sampling reproducible")
     stop: list[str] = Field(default_factory=list, description="stop strings (not emitted)")
-    spec: SpecMode = Field(SpecMode.DRAFT, description="speculation mode")
-    k: int = Field(4, ge=0, le=MAX_K, description="draft tokens per round")
+    spec: SpecMode = Field(SpecMode.AUTO, description="speculation mode")
+    k: int = Field(4, ge=0, le=MAX_K, description="draft tokens per round (auto: the most)")
     request_id: str | None = Field(None, max_length=128)
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="the target's logprob of each generated "

@@ -40,10 +40,12 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--spec", choices=["off", "draft", "ngram"], default="draft",
-                   help="speculation: off (plain decoding), draft (draft model), ngram "
-                        "(prompt lookup); default draft")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per round (0-16, default 4)")
+    p.add_argument("--spec", choices=["auto", "off", "draft", "ngram"], default="auto",
+                   help="speculation: auto (the proposer and k picked every round by "
+                        "goodput), off (plain decoding), draft (draft model), ngram "
+                        "(prompt lookup); default auto")
+    p.add_argument("--k", type=int, default=4,
+                   help="draft tokens per round (0-16, default 4; auto: the most)")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -155,7 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specserve.models.load import IncompatiblePairError, load_pair
 
     try:
-        pair = load_pair(args.target, args.drafter if req.spec == "draft" else None)
+        pair = load_pair(args.target, args.drafter if req.spec in ("draft", "auto") else None)
     except (IncompatiblePairError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     gen = SpeculativeGenerator(pair)

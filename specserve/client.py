@@ -307,7 +307,7 @@ class Client(_Base):
     def generate(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
                  max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
-                 spec: str = "draft", k: int = 4, request_id: str | None = None,
+                 spec: str = "auto", k: int = 4, request_id: str | None = None,
                  timeout: float | None = None, logprobs: int | None = None) -> Result:
         """The whole generation in one call (the unary RPC)."""
         req = _build_request(prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed,
@@ -331,7 +331,7 @@ class Client(_Base):
     def stream(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
                max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
-               spec: str = "draft", k: int = 4, request_id: str | None = None,
+               spec: str = "auto", k: int = 4, request_id: str | None = None,
                timeout: float | None = None,
                logprobs: int | None = None) -> Generator[Chunk, None, None]:
         """Text deltas as they are generated. Arguments are checked now; the call starts at
@@ -398,7 +398,7 @@ class AsyncClient(_Base):
     async def generate(self, prompt: str | None = None, *,
                        prompt_ids: Sequence[int] | None = None, max_tokens: int = 64,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                       seed: int | None = None, stop: Sequence[str] = (), spec: str = "draft",
+                       seed: int | None = None, stop: Sequence[str] = (), spec: str = "auto",
                        k: int = 4, request_id: str | None = None,
                        timeout: float | None = None, logprobs: int | None = None) -> Result:
         """The whole generation in one call (the unary RPC)."""
@@ -423,7 +423,7 @@ class AsyncClient(_Base):
     def stream(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
                max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
-               spec: str = "draft", k: int = 4, request_id: str | None = None,
+               spec: str = "auto", k: int = 4, request_id: str | None = None,
                timeout: float | None = None,
                logprobs: int | None = None) -> AsyncGenerator[Chunk, None]:
         """Text deltas as an async iterator (``async for``). Arguments are checked now; the

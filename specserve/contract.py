@@ -111,6 +111,8 @@ class VerifyOutcome:
     batch_size: int = 0  # rows in the forward this row was part of (0 on a cache miss)
     call: CallInfo = field(default_factory=CallInfo)
     logprobs: list[TokenLogprob] | None = None  # accepted drafts + extra token, if asked
+    batch_tokens: int = 0  # positions verified in that forward (sum of k + 1 over its rows)
+    queue_rows: int = 0  # rows waiting at the target when this reply left (its load)
 
 
 NO_PROPOSAL = ProposeOutcome([], None)
@@ -161,12 +163,14 @@ class SessionProposer:
         self.send = send
         self.window = Window()
 
-    async def propose(self, state: RequestState, k: int, traceparent: str) -> ProposeOutcome:
+    async def propose(self, state: RequestState, k: int, traceparent: str,
+                      mode: str | None = None) -> ProposeOutcome:
         committed = state.committed
+        mode = mode or state.spec  # the plan's proposer; else the request's mode
 
         def item(start: int) -> ProposeItem:
             return ProposeItem(state.session_id, len(committed), start, committed[start:], k,
-                               state.spec, state.sampling, state.request_id, traceparent)
+                               mode, state.sampling, state.request_id, traceparent)
 
         try:
             return await call_with_resend(self.send, item, self.window, len(committed))

@@ -24,11 +24,10 @@ DEFAULT_MAX_TOKENS = 64
 DEFAULT_K = 4
 DEFAULT_TOP_P = 1.0
 
-# Proto enum <-> the mode's name in specserve.api.SpecMode. UNSPECIFIED means draft. "auto"
-# is part of the wire API; GenerationRequest rejects it (naming `spec`) until the server's
-# model accepts it.
+# Proto enum <-> the mode's name in specserve.api.SpecMode. UNSPECIFIED means auto (the
+# default).
 SPEC_FROM_PROTO: dict[int, str] = {
-    pb.SPEC_MODE_UNSPECIFIED: "draft",
+    pb.SPEC_MODE_UNSPECIFIED: "auto",
     pb.SPEC_MODE_OFF: "off",
     pb.SPEC_MODE_DRAFT: "draft",
     pb.SPEC_MODE_NGRAM: "ngram",
@@ -45,6 +44,7 @@ _UINT_STATS = ("prompt_tokens", "output_tokens", "rounds", "drafts", "draft_toke
                "accepted_tokens", "k", "seed")
 _FLOAT_STATS = ("acceptance_rate", "mean_acceptance_length", "tokens_per_round")
 _STR_STATS = ("spec", "speculation_disabled_reason", "target_revision", "drafter_revision")
+_MAP_STATS = ("k_histogram", "proposer_mix", "decision_reasons")
 
 
 def _from_f32(x: float) -> float:
@@ -125,6 +125,9 @@ def stats_to_proto(stats: Mapping[str, Any] | Any) -> pb.GenerateStats:
         elif d.get(f"{name}_s") is not None:
             setattr(msg, f"{name}_ms", float(d[f"{name}_s"]) * 1000.0)
     msg.accepted_per_position.extend(int(c) for c in d.get("accepted_per_position") or ())
+    for name in _MAP_STATS:
+        getattr(msg, name).update({(int(k) if name == "k_histogram" else str(k)): int(v)
+                                   for k, v in (d.get(name) or {}).items()})
     return msg
 
 
@@ -137,6 +140,8 @@ def stats_from_proto(msg: pb.GenerateStats) -> dict[str, Any]:
             value = _from_f32(value)
         elif field.name == "accepted_per_position":
             value = list(value)
+        elif field.name in _MAP_STATS:
+            value = dict(sorted(value.items()))
         out[field.name] = value
     return out
 

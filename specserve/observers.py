@@ -108,7 +108,11 @@ class TracingObserver(Observer):
                 "specserve.committed_len": len(state.committed),
                 "specserve.batch_size": o.verdict.batch_size,
                 "specserve.drafter_rolled_back": d_rep.rolled_back if d_rep else 0,
-                "specserve.target_rolled_back": t_rep.rolled_back if t_rep else 0})
+                "specserve.target_rolled_back": t_rep.rolled_back if t_rep else 0,
+                "specserve.plan.proposer": o.plan.proposer or "none",
+                "specserve.plan.k": o.plan.k, "specserve.plan.reason": o.plan.reason,
+                "specserve.plan.expected_tokens": o.plan.expected,
+                "specserve.plan.cost_s": o.plan.cost_s})
         span.end()
 
     def request_end(self, state: RequestState, error: BaseException | None) -> None:
@@ -157,6 +161,7 @@ class MetricsObserver(Observer):
         d_compute = o.proposal.call.compute_s if o.drafted else 0.0
         self.m.round(state.spec, o.round_s, o.propose_s, o.verify_s, d_compute,
                      o.verdict.call.compute_s, o.drafted, len(o.decision.tokens))
+        self.m.decision(o.plan.reason, o.plan.proposer)
         if self._first:
             self.m.first_token(state.spec, state.stats.ttft_s)
             self._first = False

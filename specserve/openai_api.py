@@ -45,7 +45,8 @@ class _Common(BaseModel):
     user: str | None = Field(None, max_length=256)
     # extensions
     top_k: int = 0
-    spec: str | None = Field(None, description="speculation mode: off, draft, ngram")
+    spec: str | None = Field(None, description="speculation mode: auto (default), off, draft, "
+                             "ngram")
     k: int | None = Field(None, description="draft tokens per round")
 
     def unsupported(self) -> list[str]:

@@ -1,8 +1,8 @@
 """One speculative round, in one place. Every path runs it: the single-process engine, the
 in-process loop over real gRPC servers and the distributed router.
 
-    k        = policy.choose(state)                    # 0: no proposal (plain decoding)
-    q, x     = proposer.propose(state, k)              # drafter: k tokens x ~ q
+    plan     = policy.choose(state)                    # proposer + k (0: plain decoding)
+    q, x     = proposer.propose(state, k, mode)        # drafter / lookup: k tokens x ~ q
     n, y     = verifier.verify(state, x, q)            # target: p at k+1 positions, accept
                                                        # x_i w.p. min(1, p/q); y recovered
                                                        # from norm(max(0, p - q)) or bonus
@@ -13,8 +13,9 @@ in-process loop over real gRPC servers and the distributed router.
 Vocabulary (vLLM's): output tokens = *accepted* drafts + one *recovered* (first rejection)
 or *bonus* (all k accepted) token; p = target, q = drafter. The proposer and verifier are
 per-request objects (``Proposer`` / ``Verifier`` protocols) over any transport; the policy
-picks k; observers (tracing, metrics, timing) receive the round's events and are never
-consulted: the round contains no span or metric code.
+picks the proposer and k (``FixedK``: the request's own; ``policy.GoodputPolicy``: spec=auto)
+and says why (``Plan.reason``, counted in the stats); observers (tracing, metrics, timing)
+receive the round's events and are never consulted: the round contains no span or metric code.
 """
 
 from __future__ import annotations
@@ -69,13 +70,25 @@ class RequestStats:
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     target_revision: str = ""
     drafter_revision: str = ""
+    k_histogram: dict[int, int] = field(default_factory=dict)  # the plans' k -> rounds
+    proposer_mix: dict[str, int] = field(default_factory=dict)  # "draft"/"ngram"/"none"
+    decision_reasons: dict[str, int] = field(default_factory=dict)  # Plan.reason -> rounds
+
+    def record_plan(self, plan: Plan) -> None:
+        def bump(d: dict, key: int | str) -> None:
+            d[key] = d.get(key, 0) + 1
+
+        bump(self.k_histogram, plan.k)
+        bump(self.proposer_mix, plan.proposer or "none")
+        bump(self.decision_reasons, plan.reason)
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.total_s if self.total_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "acceptance"}
+        d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()
+             if k != "acceptance"}
         d.update(tokens_per_s=round(self.tokens_per_s, 2), **self.acceptance.to_dict())
         return d
 
@@ -89,7 +102,7 @@ class RequestState:
     committed: list[int]  # prompt + output
     max_tokens: int
     sampling: SamplingParams
-    spec: str  # "off" | "draft" | "ngram": the mode in effect (off once disabled)
+    spec: str  # "off" | "draft" | "ngram" | "auto": the mode in effect (off once disabled)
     k: int  # the requested draft length, the policy's upper bound
     max_context: int
     eos_token_id: int | None
@@ -124,8 +137,10 @@ class RequestState:
 
 
 class Proposer(Protocol):
-    async def propose(self, state: RequestState, k: int, traceparent: str) -> ProposeOutcome:
-        """k draft tokens for ``state.committed``; raises ``ProposerFailed``."""
+    async def propose(self, state: RequestState, k: int, traceparent: str,
+                      mode: str | None = None) -> ProposeOutcome:
+        """k draft tokens for ``state.committed`` by ``mode`` ("draft" / "ngram"; None: the
+        request's ``state.spec``); raises ``ProposerFailed``."""
         ...
 
 
@@ -150,6 +165,22 @@ class RepairEvent:
     fed: int
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A policy's choice for one round: who proposes (None: nobody, plain decoding), how
+    many tokens, and why; with a cost model, the committed tokens and the round time it
+    predicts (0: no prediction)."""
+
+    proposer: str | None
+    k: int
+    reason: str
+    expected: float = 0.0
+    cost_s: float = 0.0
+
+
+NO_SPECULATION = Plan(None, 0, "off")
+
+
 @dataclass
 class RoundOutcome:
     round_no: int
@@ -165,6 +196,7 @@ class RoundOutcome:
     repairs: list[RepairEvent]
     text: str = ""  # detokenized, when the loop has a detokenizer
     logprobs: list[TokenLogprob] | None = None  # one per committed token, when asked
+    plan: Plan = NO_SPECULATION  # the policy's choice this round
 
     @property
     def drafted(self) -> int:
@@ -172,8 +204,8 @@ class RoundOutcome:
 
 
 class Policy(Protocol):
-    def choose(self, state: RequestState) -> int:
-        """k for this round, 0..state.k (0: verify the last token alone)."""
+    def choose(self, state: RequestState) -> Plan:
+        """The proposer and k for this round, k in 0..state.k (0: the last token alone)."""
         ...
 
     def observe(self, state: RequestState, outcome: RoundOutcome) -> None:
@@ -182,16 +214,22 @@ class Policy(Protocol):
 
 
 class FixedK:
-    """k = the request's k, bounded by the budget and the context; 0 when spec is off."""
+    """k = the request's k, bounded by the budget and the context, by the request's mode;
+    no speculation when spec is off."""
 
-    def choose(self, state: RequestState) -> int:
+    def choose(self, state: RequestState) -> Plan:
         if state.spec == "off":
-            return 0
-        return max(0, min(state.k, state.remaining - 1,
-                          state.max_context - len(state.committed) - 1))
+            return NO_SPECULATION
+        k = max_k(state)
+        return Plan(state.spec if k > 0 else None, k, "fixed")
 
     def observe(self, state: RequestState, outcome: RoundOutcome) -> None:
         pass
+
+
+def max_k(state: RequestState) -> int:
+    """The most drafts this round may carry: the request's k, the budget, the context."""
+    return max(0, min(state.k, state.remaining - 1, state.max_context - len(state.committed) - 1))
 
 
 class Observer:
@@ -267,11 +305,11 @@ def account_repair(state: RequestState, component: str,
                        rep.cached_before, rep.kept, rep.fed)
 
 
-async def _propose(state: RequestState, proposer: Proposer, k: int,
+async def _propose(state: RequestState, proposer: Proposer, plan: Plan,
                    observer: Observer) -> ProposeOutcome:
     traceparent = observer.call_start(state, "drafter")
     try:
-        proposal = await proposer.propose(state, k, traceparent)
+        proposal = await proposer.propose(state, plan.k, traceparent, plan.proposer)
     except ProposerFailed as e:  # the request goes on without speculation
         observer.call_end(state, "drafter", None, e)
         state.disable_speculation(f"drafter failed: {e}")
@@ -295,11 +333,13 @@ async def _verify(state: RequestState, verifier: Verifier, proposal: ProposeOutc
 async def speculative_round(state: RequestState, proposer: Proposer | None,
                             verifier: Verifier, policy: Policy,
                             observer: Observer) -> RoundOutcome:
-    """One round: choose k -> propose -> verify -> commit -> feedback -> repair accounting."""
+    """One round: plan -> propose -> verify -> commit -> feedback -> repair accounting."""
     t0 = time.perf_counter()
-    k = policy.choose(state) if proposer is not None else 0
+    plan = policy.choose(state) if proposer is not None else NO_SPECULATION
+    k = plan.k if plan.proposer is not None else 0
+    state.stats.record_plan(plan)
     observer.round_start(state, k)
-    proposal = await _propose(state, proposer, k, observer) if k > 0 else NO_PROPOSAL
+    proposal = await _propose(state, proposer, plan, observer) if k > 0 else NO_PROPOSAL
     t1 = time.perf_counter()
     verdict = await _verify(state, verifier, proposal, observer)
     t2 = time.perf_counter()
@@ -314,7 +354,7 @@ async def speculative_round(state: RequestState, proposer: Proposer | None,
     outcome = RoundOutcome(state.round_no, k, proposal, verdict, decision, tokens, finish,
                            t1 - t0, t2 - t1, time.perf_counter() - t0, repairs,
                            logprobs=(verdict.logprobs[: len(tokens)]
-                                     if verdict.logprobs is not None else None))
+                                     if verdict.logprobs is not None else None), plan=plan)
     _account_time(state, outcome)
     policy.observe(state, outcome)
     observer.round_end(state, outcome)

@@ -192,11 +192,13 @@ class TargetServicer(pb_grpc.TargetServicer):
             finally:
                 if fspan is not None:
                     fspan.end()
+        queued = self._queue.qsize()  # the load each reply reports (spec=auto reads it)
         for i, (msg, replies, span) in enumerate(batch):
             if i in errors:
                 reply = pb.VerifyReply(call_id=msg.call_id, error=errors[i],
                                        replica=self.replica)
             else:
+                outcomes[i].queue_rows = queued
                 reply = verify_outcome_to_proto(outcomes[i], msg.call_id, self.replica,
                                                 compute_us)
             if span is not None:

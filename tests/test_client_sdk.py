@@ -270,7 +270,7 @@ def test_request_from_proto_defaults() -> None:
     req = request_from_proto(pb.GenerateRequest(prompt="hi", temperature=0.7))
     assert req.model_dump() == GenerationRequest(prompt="hi", temperature=0.7).model_dump()
     assert (req.max_tokens, req.top_p, req.k, req.seed, req.spec, req.request_id) == (
-        64, 1.0, 4, None, "draft", None)
+        64, 1.0, 4, None, "auto", None)
     req = request_from_proto(pb.GenerateRequest(
         prompt_ids=[1, 2], k=0, seed=0, top_p=0.9, spec=pb.SPEC_MODE_NGRAM, stop=["\n"],
         request_id="x"))

@@ -48,7 +48,8 @@ def test_spec_off_equals_target_only(generator, references):
 
 def test_draft_mode_actually_speculates(generator, references):
     ids, _ = references[0]
-    _, _, stats = generator.generate(GenerationRequest(prompt_ids=ids, max_tokens=MAX_NEW, k=4))
+    _, _, stats = generator.generate(GenerationRequest(prompt_ids=ids, max_tokens=MAX_NEW,
+                                                       spec="draft", k=4))
     a = stats.acceptance
     assert a.drafts > 0 and a.draft_tokens > 0
     assert a.tokens_per_round > 1.0  # the built-in drafter agrees with its target

@@ -47,7 +47,7 @@ def test_completions_equal_the_grpc_api(openai_client, grpc_refs):
         assert r.choices[0].finish_reason == "length"
         assert r.usage.completion_tokens == MAX_NEW
         assert r.usage.prompt_tokens == grpc_refs[p]["stats"]["prompt_tokens"]
-        assert r.model_extra["specserve"]["spec"] == "draft"
+        assert r.model_extra["specserve"]["spec"] == "auto"  # the default
         # streamed: the deltas add up to the same text
         deltas = list(openai_client.completions.create(
             model=MODEL, prompt=p, max_tokens=MAX_NEW, temperature=0, stream=True,

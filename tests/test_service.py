@@ -65,6 +65,21 @@ def test_greedy_through_service_equals_target_only(service, greedy_refs, spec, k
         assert sum(r["stats"]["accepted_tokens"] for r in results) > 0
 
 
+def test_auto_is_the_default_and_exact_under_concurrency(service, greedy_refs):
+    """spec=auto (no spec given): 16 concurrent greedy requests equal spec-off, and each
+    request's stats explain its plans."""
+    prompts, refs = greedy_refs
+    results = _clients(service.grpc_address,
+                       [{"prompt": p, "max_tokens": MAX_NEW} for p in prompts])
+    assert [r["token_ids"] for r in results] == refs
+    for st in (r["stats"] for r in results):
+        assert st["spec"] == "auto"
+        assert sum(st["k_histogram"].values()) == st["rounds"]
+        assert sum(st["proposer_mix"].values()) == st["rounds"]
+        assert set(st["decision_reasons"]) <= {"goodput", "low_acceptance", "saturated",
+                                               "no_lookup_match", "budget"}
+
+
 def test_target_batches_concurrent_rounds(service, greedy_refs):
     before = _target_stats()
     prompts, refs = greedy_refs
@@ -224,7 +239,7 @@ def test_cli_generate_through_server(service, greedy_refs, builtin_pair):
     assert out.returncode == 0, out.stderr
     assert out.stdout == builtin_pair.tokenizer.decode(refs[1], skip_special_tokens=True) + "\n"
     assert "[specserve]" in out.stderr
-    assert "spec=draft" in out.stderr and f"{MAX_NEW} tokens" in out.stderr
+    assert "spec=auto" in out.stderr and f"{MAX_NEW} tokens" in out.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "specserve.cli", "generate", "x", "--server",
          service.grpc_address, "--top-p", "2"],

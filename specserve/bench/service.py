@@ -166,6 +166,7 @@ def run_service_bench(
     configs = [("off", {"spec": "off", "k": 0})]
     configs += [(f"draft_k{k}", {"spec": "draft", "k": k}) for k in ks]
     configs.append((f"ngram_k{ngram_k}", {"spec": "ngram", "k": ngram_k}))
+    configs.append(("auto", {"spec": "auto", "k": max([*ks, ngram_k])}))  # k: its K_max
     levels: dict[str, dict] = {}
     total = sum(max(requests_per_level, 2 * c) for c in concurrency) * len(configs)
     bar = tqdm(total=total, desc="service bench", unit="req")

@@ -80,6 +80,7 @@ def run_single_process_bench(
     configs: list[tuple[str, dict]] = [("off", {"spec": "off", "k": 0})]
     configs += [(f"draft_k{k}", {"spec": "draft", "k": k}) for k in ks]
     configs.append((f"ngram_k{ngram_k}", {"spec": "ngram", "k": ngram_k}))
+    configs.append(("auto", {"spec": "auto", "k": max([*ks, ngram_k])}))  # k: its K_max
     if with_hf:
         configs += [("hf_generate", {}), ("hf_assisted", {})]
     results = {name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "emitted": 0,

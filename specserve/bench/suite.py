@@ -2,7 +2,7 @@
 
 Against a running service (``server``) or one it starts, through the SDK: closed-loop
 concurrency levels (optionally an open-loop Poisson rate), every workload class separately
-and mixed, configurations side by side in the same run (spec-off, draft at each K, ngram),
+and mixed, configurations side by side in the same run (spec-off, draft at each K, ngram, auto),
 plus reference points outside the service at concurrency 1 on the same pair (Hugging Face
 ``generate`` plain and assisted, the naive textbook loop, the single-process engine).
 Artifacts in ``out_dir``: report.json (schema: docs/benchmarks.md#report-schema),
@@ -33,6 +33,7 @@ def _configs(ks: list[int], ngram_k: int) -> list[tuple[str, dict]]:
     out += [(f"draft_k{k}", {"spec": "draft", "k": k}) for k in ks]
     if ngram_k:
         out.append((f"ngram_k{ngram_k}", {"spec": "ngram", "k": ngram_k}))
+    out.append(("auto", {"spec": "auto", "k": max([*ks, ngram_k])}))  # k: its K_max
     return out
 
 

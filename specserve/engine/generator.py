@@ -22,7 +22,8 @@ from specserve.engine.lean import LeanLlama
 from specserve.engine.target import TargetEngine
 from specserve.errors import RequestError
 from specserve.models.load import ModelPair
-from specserve.rounds import FixedK, Observer, RequestState, RequestStats, iterate_sync, speculate
+from specserve.policy import CostModel, policy_for
+from specserve.rounds import Observer, RequestState, RequestStats, iterate_sync, speculate
 
 __all__ = ["Chunk", "GenerationStats", "RequestError", "SpeculativeGenerator", "new_state"]
 
@@ -73,6 +74,7 @@ class SpeculativeGenerator:
         self.lean = LeanLlama(pair.drafter) if pair.drafter is not None else None
         self.drafter = DrafterEngine(self.lean, drafter_cache_bytes)
         self.target = TargetEngine(pair.target, target_cache_bytes)
+        self.cost = CostModel()  # spec=auto's cost model, learned over this engine's rounds
 
     def encode(self, req: GenerationRequest) -> list[int]:
         return prepare_prompt(req, self.pair.tokenizer, self.pair.vocab_size,
@@ -96,7 +98,8 @@ class SpeculativeGenerator:
         proposer = SessionProposer(direct(self.drafter.propose)) if state.spec != "off" else None
         verifier = SessionVerifier(direct(self.target.verify))
         detok = IncrementalDetokenizer(self.pair.tokenizer, req.stop)
-        rounds = speculate(state, proposer, verifier, FixedK(), Observer(), detok)
+        policy = policy_for(state, self.cost, self.lean is not None)
+        rounds = speculate(state, proposer, verifier, policy, Observer(), detok)
         try:
             for o in iterate_sync(rounds):
                 yield Chunk(o.text, list(o.tokens), o.finish,

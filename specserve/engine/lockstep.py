@@ -15,7 +15,8 @@ from specserve.contract import SessionProposer, SessionVerifier
 from specserve.engine.drafter import DrafterEngine
 from specserve.engine.generator import new_state
 from specserve.engine.target import TargetEngine
-from specserve.rounds import FixedK, Observer, RequestState, speculate
+from specserve.policy import CostModel, policy_for
+from specserve.rounds import Observer, RequestState, speculate
 
 
 class Lockstep:
@@ -31,6 +32,7 @@ class Lockstep:
         self.before_flush = before_flush
         self.live = 0
         self.rounds = 0  # target flushes
+        self.cost = CostModel()  # spec=auto's, shared by the requests
         self._queues: dict[str, list[tuple[Any, asyncio.Future]]] = {"drafter": [],
                                                                       "target": []}
 
@@ -74,7 +76,8 @@ async def _run(lockstep: Lockstep, state: RequestState) -> RequestState:
     proposer = SessionProposer(lockstep.send("drafter")) if state.spec != "off" else None
     verifier = SessionVerifier(lockstep.send("target"))
     try:
-        async for _ in speculate(state, proposer, verifier, FixedK(), Observer()):
+        policy = policy_for(state, lockstep.cost, lockstep.drafter.lean is not None)
+        async for _ in speculate(state, proposer, verifier, policy, Observer()):
             pass
     finally:
         lockstep.finished()

@@ -242,9 +242,10 @@ class TargetEngine(LRUSessions):
             logits = self._forward([r for _, r in rows])  # [B, K+1, V]
             results = self._decide([r for _, r in rows], logits)
             logprobs = self._logprobs([r for _, r in rows], logits, results)
+            tokens = sum(len(r.item.draft_tokens) + 1 for _, r in rows)
             for (idx, row), (n, extra, bonus), lp in zip(rows, results, logprobs, strict=True):
                 outcomes[idx] = VerifyOutcome(n, extra, bonus, False, row.repair, len(rows),
-                                              logprobs=lp)
+                                              logprobs=lp, batch_tokens=tokens)
                 self._sessions.move_to_end(row.item.session_id)
             self._evict({r.item.session_id for _, r in rows})
         return [o for o in outcomes if o is not None]

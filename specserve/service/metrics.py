@@ -100,6 +100,15 @@ class RouterMetrics:
             "specserve_request_errors",
             "Requests that failed, by gRPC status code name (INVALID_ARGUMENT, UNAVAILABLE, "
             "...; the HTTP API counts the same codes).", ("code",))
+        self.decisions = Counter(
+            "specserve_spec_decisions",
+            "Rounds by the policy's decision: the reason (goodput, low_acceptance, saturated, "
+            "no_lookup_match, drafter_unavailable, budget, sampled; fixed / off for explicit "
+            "modes) and the proposer chosen (draft, ngram, none).", ("reason", "proposer"))
+        self.prior_errors = Counter(
+            "specserve_spec_prior_errors",
+            "Reads or writes of the fleet's acceptance priors (Redis) that failed; spec=auto "
+            "went on with local estimates.", ("op",))
         self._tags: dict[tuple[str, ...], dict[str, str]] = {}
 
     def _t(self, **kv: str) -> dict[str, str]:
@@ -119,6 +128,12 @@ class RouterMetrics:
             self.round_part.observe(value, self._t(part=part, spec=spec))
         if drafted:
             self.acceptance_length.observe(committed, self._t(spec=spec))
+
+    def decision(self, reason: str, proposer: str | None) -> None:
+        self.decisions.inc(1, self._t(reason=reason, proposer=proposer or "none"))
+
+    def prior_error(self, op: str) -> None:
+        self.prior_errors.inc(1, self._t(op=op))
 
     def error(self, code: str) -> None:
         self.request_errors.inc(1, self._t(code=code))

@@ -104,7 +104,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tokens_start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., traceparent: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("call_id", "num_accepted", "extra_token", "bonus", "cache_miss", "repair", "batch_size", "replica", "error", "compute_us", "logprobs")
+    __slots__ = ("call_id", "num_accepted", "extra_token", "bonus", "cache_miss", "repair", "batch_size", "replica", "error", "compute_us", "logprobs", "batch_tokens", "queue_rows")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EXTRA_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,8 @@ class VerifyReply(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_ROWS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     num_accepted: int
     extra_token: int
@@ -127,4 +129,6 @@ class VerifyReply(_message.Message):
     error: str
     compute_us: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_specserve_pb2.TokenLogprob]
-    def __init__(self, call_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., extra_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., batch_size: _Optional[int] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_specserve_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    batch_tokens: int
+    queue_rows: int
+    def __init__(self, call_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., extra_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., batch_size: _Optional[int] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_specserve_pb2.TokenLogprob, _Mapping]]] = ..., batch_tokens: _Optional[int] = ..., queue_rows: _Optional[int] = ...) -> None: ...

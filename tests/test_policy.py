@@ -1,0 +1,280 @@
+"""spec=auto: the goodput policy's choices on synthetic histories (unit), and exactness
+whatever it chooses: greedy output equals spec-off through the single-process engine and
+in lock-step batches where k changes from round to round."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from router.priors import PriorStore
+from specserve.api import GenerationRequest
+from specserve.contract import (
+    CallInfo,
+    ProposeItem,
+    ProposeOutcome,
+    SessionProposer,
+    VerifyOutcome,
+)
+from specserve.core.commit import decide_commit
+from specserve.engine.drafter import DrafterEngine
+from specserve.engine.generator import new_state
+from specserve.engine.lockstep import run_lockstep
+from specserve.engine.target import TargetEngine
+from specserve.policy import CostModel, GoodputPolicy, policy_for
+from specserve.rounds import FixedK, Plan, RoundOutcome
+
+K = 4
+NO_MATCH = list(range(100, 140))  # no repeated n-gram: the prompt lookup finds nothing
+REPEATS = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]  # "5 6 7" seen before: a lookup match
+
+
+def state(prompt=NO_MATCH, temperature=0.0, **kw):
+    req = GenerationRequest(prompt_ids=prompt, max_tokens=64, k=K, temperature=temperature,
+                            seed=1, **kw)
+    return new_state(req, prompt, 512, None, ("", ""), "r")
+
+
+def outcome(plan: Plan, accepted: int, batch_size=1, queue_rows=0, verify_s=None,
+            propose_s=0.002) -> RoundOutcome:
+    """A round's outcome; the target's time 20 ms + 2 ms per token in the forward."""
+    drafts = list(range(plan.k))
+    verify_s = verify_s or 0.02 + 0.002 * batch_size * (plan.k + 1)
+    proposal = ProposeOutcome(drafts, None, call=CallInfo(compute_s=propose_s * plan.k))
+    verdict = VerifyOutcome(accepted, 1, accepted == plan.k, batch_size=batch_size,
+                            call=CallInfo(compute_s=verify_s), queue_rows=queue_rows,
+                            batch_tokens=batch_size * (plan.k + 1))
+    decision = decide_commit(10, drafts, accepted, 1)
+    return RoundOutcome(0, plan.k, proposal, verdict, decision, decision.tokens, None,
+                        propose_s * plan.k, verify_s, verify_s + propose_s * plan.k, [],
+                        plan=plan)
+
+
+def run_history(policy, st, accept, rounds=12, **kw) -> list[Plan]:
+    """Rounds where each plan's drafts are accepted by ``accept(k)``."""
+    plans = []
+    for _ in range(rounds):
+        plan = policy.choose(st)
+        plans.append(plan)
+        policy.observe(st, outcome(plan, accept(plan.k) if plan.proposer else 0, **kw))
+    return plans
+
+
+def test_high_acceptance_grows_k_to_the_maximum():
+    st = state()
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    plans = run_history(policy, st, accept=lambda k: k)
+    assert plans[-1] == Plan("draft", K, "goodput", plans[-1].expected, plans[-1].cost_s)
+    assert plans[-1].expected > plans[0].expected  # it learned the drafter agrees
+    assert plans[-1].expected > 4.0  # of at most K + 1
+
+
+def test_low_acceptance_shrinks_k_to_zero_with_its_reason():
+    st = state()
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    plans = run_history(policy, st, accept=lambda k: 0, rounds=20)
+    assert plans[0].k > 0  # the prior says try
+    assert plans[-1] == Plan(None, 0, "low_acceptance", 1.0, plans[-1].cost_s)
+    ks = [p.k for p in plans]
+    assert ks == sorted(ks, reverse=True)  # no oscillation on the way down
+
+
+def test_saturated_target_turns_speculation_off():
+    st = state()
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    plans = run_history(policy, st, accept=lambda k: k, rounds=6)
+    assert plans[-1].k == K
+    # the target's batch fills up and rows queue behind it: k falls to 0 ...
+    plans = run_history(policy, st, accept=lambda k: k, rounds=4, batch_size=32,
+                        queue_rows=64)
+    assert plans[-1] == Plan(None, 0, "saturated", 1.0, plans[-1].cost_s)
+    # ... and comes back when the load goes
+    plans = run_history(policy, st, accept=lambda k: k, rounds=2)
+    assert plans[-1].k == K and plans[-1].reason == "goodput"
+
+
+def test_k_shrinks_smoothly_with_load():
+    """No step table: as the batch grows, k does not rise, and reaches 0."""
+    policy = GoodputPolicy(CostModel(token_rel_cost=0.05), K, has_drafter=True)
+    st = state()
+    run_history(policy, st, accept=lambda k: k, rounds=8)
+    ks = []
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+        policy.observe(st, outcome(Plan("draft", K, "goodput"), K, batch_size=rows))
+        ks.append(policy.choose(st).k)
+    assert ks[0] == K and ks[-1] == 0
+    assert ks == sorted(ks, reverse=True)
+    assert len(set(ks)) > 2  # intermediate k on the way, not a single threshold
+
+
+def test_prompt_lookup_only_where_it_matches():
+    policy = GoodputPolicy(CostModel(), K, has_drafter=False)
+    assert policy.choose(state(NO_MATCH)) == Plan(None, 0, "no_lookup_match", 1.0)
+    plan = policy.choose(state(REPEATS))
+    assert plan.proposer == "ngram" and 1 <= plan.k <= 4 and plan.reason == "goodput"
+    # with a drafter and no match: the draft model (or nobody), never the lookup
+    with_drafter = GoodputPolicy(CostModel(), K, has_drafter=True)
+    assert with_drafter.choose(state(NO_MATCH)).proposer in ("draft", None)
+
+
+def test_prompt_lookup_is_free_so_it_wins_a_tie():
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    plan = policy.choose(state(REPEATS * 3))  # a long match; equal priors
+    assert plan.proposer == "ngram"
+
+
+def test_drafter_failure_is_the_reason():
+    st = state()
+    st.disable_speculation("drafter failed: boom")
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    assert policy.choose(st) == Plan(None, 0, "drafter_unavailable")
+
+
+def test_budget_and_sampled_plans():
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    st = state()
+    st.max_tokens = 1
+    assert policy.choose(st).reason == "budget"
+    # sampled: a function of the committed tokens only (its seed must reproduce it)
+    sampled = state(temperature=0.8)
+    a = policy.choose(sampled)
+    run_history(policy, sampled, accept=lambda k: 0)
+    assert policy.choose(sampled) == a == Plan("draft", K, "sampled")
+    assert policy.choose(state(REPEATS * 3, temperature=0.8)) == Plan("ngram", K, "sampled")
+
+
+def test_cost_model_learns_a_linear_verify_time():
+    cost = CostModel()
+    for rows in range(1, 30):
+        o = outcome(Plan("draft", 3, "goodput"), 3, batch_size=rows % 8 + 1,
+                    verify_s=0.01 + 0.002 * 4 * (rows % 8 + 1))
+        cost.observe(o)
+    a, b = cost.verify.coef()
+    assert a == pytest.approx(0.01, rel=0.05) and b == pytest.approx(0.002, rel=0.05)
+    assert cost.draft_token_s == pytest.approx(0.002)
+
+
+def test_explicit_modes_keep_fixed_k():
+    st = state(spec="draft")
+    assert isinstance(policy_for(st, CostModel(), True), FixedK)
+    assert FixedK().choose(st) == Plan("draft", K, "fixed")
+    assert isinstance(policy_for(state(), CostModel(), True), GoodputPolicy)
+
+
+def test_the_plans_proposer_is_the_propose_mode():
+    items: list[ProposeItem] = []
+
+    async def send(item):
+        items.append(item)
+        return ProposeOutcome([], None)
+
+    st = state()
+    proposer = SessionProposer(send)
+    asyncio.run(proposer.propose(st, 2, "", "ngram"))
+    asyncio.run(proposer.propose(st, 2, "", "draft"))
+    assert [i.mode for i in items] == ["ngram", "draft"]
+
+
+# ------------------------------------------------------------------ exactness (models)
+MAX_NEW = 32
+
+
+def test_greedy_auto_equals_spec_off_single_process(generator, heldout):
+    for prompt in heldout[:6]:
+        _, off, _ = generator.generate(GenerationRequest(prompt=prompt, max_tokens=MAX_NEW,
+                                                         spec="off"))
+        _, auto, stats = generator.generate(GenerationRequest(prompt=prompt,
+                                                              max_tokens=MAX_NEW))
+        assert auto == off
+        assert stats.spec == "auto"
+        assert sum(stats.k_histogram.values()) == stats.acceptance.rounds
+        assert set(stats.decision_reasons) <= {"goodput", "low_acceptance", "saturated",
+                                               "no_lookup_match", "budget"}
+
+
+def test_greedy_auto_in_lockstep_with_mixed_requests(builtin_pair, generator, heldout):
+    """Auto rows beside explicit and sampled ones in shared forwards; k varies from round to
+    round and the greedy rows still equal spec-off."""
+    prompts = [generator.encode(GenerationRequest(prompt=p)) for p in heldout[:6]]
+    off = [GenerationRequest(prompt_ids=p, max_tokens=MAX_NEW, spec="off") for p in prompts]
+    mixed = [GenerationRequest(prompt_ids=p, max_tokens=MAX_NEW) for p in prompts[:4]] + [
+        GenerationRequest(prompt_ids=prompts[4], max_tokens=MAX_NEW, spec="draft", k=2),
+        GenerationRequest(prompt_ids=prompts[5], max_tokens=MAX_NEW, temperature=0.8,
+                          seed=3)]
+
+    def engines():
+        return (DrafterEngine(generator.lean, 256 << 20),
+                TargetEngine(builtin_pair.target, 512 << 20))
+
+    ref = run_lockstep(*engines(), off, builtin_pair.eos_token_id)
+    drafter, target = engines()
+    res = run_lockstep(drafter, target, mixed, builtin_pair.eos_token_id)
+    assert [r.output for r in res[:5]] == [r.output for r in ref[:5]]
+    assert target.max_batch_size_seen == len(mixed)
+    auto = res[:4]
+    ks = {k for r in auto for k in r.stats.k_histogram}
+    assert len(ks) > 1, ks  # k actually varied
+    assert any(len(r.stats.k_histogram) > 1 for r in auto)  # within a request too
+    assert res[5].stats.decision_reasons.keys() <= {"sampled", "budget"}
+
+
+# ------------------------------------------------------------------ fleet priors (Redis)
+@pytest.fixture
+def redis_url(tmp_path):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    import redis
+
+    for _ in range(100):
+        try:
+            redis.from_url(url).ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait()
+
+
+def test_priors_are_shared_through_redis(redis_url):
+    async def main():
+        revs = ("t1", "d1")
+        a, b = PriorStore(redis_url, cache_s=0), PriorStore(redis_url, cache_s=0)
+        assert await b.read(revs) == {"draft": [], "ngram": []}  # nothing yet
+        a.add(revs, {"draft": [[20, 20, 0], [18, 9, 0]], "ngram": [[0, 0, 0], [0, 0, 0]]})
+        await a.close()
+        priors = await b.read(revs)
+        assert priors == {"draft": [0.9, 0.45], "ngram": []}
+        policy = GoodputPolicy(CostModel(), 3, True, priors)
+        assert policy.acceptance["draft"].alpha == [0.9, 0.45, 0.6]
+        assert b.failures == 0
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_priors_degrade_without_redis():
+    errors = []
+
+    async def main():
+        store = PriorStore("redis://127.0.0.1:1/0", on_error=errors.append)
+        assert await store.read(("t", "d")) is None
+        store.add(("t", "d"), {"draft": [[1], [1]]})
+        await store.close()
+        return store.failures
+
+    assert asyncio.run(main()) == 2
+    assert errors == ["read", "write"]
