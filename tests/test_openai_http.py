@@ -192,3 +192,33 @@ def test_bearer_auth_applies_to_http(keyed_app):
     status, ok = _post(keyed_app + "/v1/completions", body,
                        {"Authorization": "Bearer alice-key-0123456789abcdef"})
     assert status == 200 and ok["usage"]["completion_tokens"] == 4
+
+
+@pytest.fixture(scope="module")
+def small_app(service):
+    """An app whose router admits 2 requests at a time."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app({"redis_url": service.redis_url, "router": {"max_concurrent": 2}}),
+              name="specserve-small", route_prefix="/small")
+    yield f"{service.http_address}/small"
+    serve.delete("specserve-small")
+
+
+def test_overload_is_429_in_openai_shape(small_app, grpc_refs):
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0}
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda _: _post(small_app + "/v1/completions", body),
+                                range(12)))
+    statuses = sorted(status for status, _ in results)
+    assert set(statuses) == {200, 429}, statuses
+    for status, payload in results:
+        if status == 429:
+            assert "capacity" in payload["error"]["message"]
+            assert payload["error"]["type"] == "invalid_request_error"
+        else:  # the admitted ones are exact
+            assert payload["choices"][0]["text"] == grpc_refs[PROMPTS[0]]["text"]
