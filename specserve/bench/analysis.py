@@ -88,3 +88,15 @@ def validate_report(report: Mapping) -> list[str]:
                     if m not in row:
                         problems.append(f"{cls}/{level}/{name}: missing {m}")
     return problems
+
+
+def plan_mix(stats: list[dict]) -> dict[str, dict[str, int]]:
+    """The policy's decisions over requests: rounds by k, by proposer and by reason."""
+    out: dict[str, dict[str, int]] = {}
+    for name in ("k_histogram", "proposer_mix", "decision_reasons"):
+        total: dict[str, int] = {}
+        for st in stats:
+            for key, n in (st.get(name) or {}).items():
+                total[str(key)] = total.get(str(key), 0) + n
+        out[name] = dict(sorted(total.items()))
+    return out

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from specserve.bench.analysis import plan_mix
 from specserve.client import Client, SpecServeError
 from specserve.models.corpus import heldout_prompts
 
@@ -109,6 +110,7 @@ def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_re
         "overhead_ms_per_round_p99_over_requests": _pct(per_req_overhead, 99),
         "accepted_per_position": _sum_lists(
             [r["stats"].get("accepted_per_position", []) for r in done]),
+        "plans": plan_mix([r["stats"] for r in done]),
         "drafts": sum(r["stats"].get("drafts", 0) for r in done),
         "latencies_ms": [round(r["latency"] * 1000, 3) for r in done],
         "outputs": [r["tokens"] if r is not None else None for r in results],

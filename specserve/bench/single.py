@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.api import GenerationRequest
+from specserve.bench.analysis import plan_mix
 from specserve.contract import VerifyItem
 from specserve.core.sampling import SamplingParams
 from specserve.engine.generator import SpeculativeGenerator
@@ -84,7 +85,8 @@ def run_single_process_bench(
     if with_hf:
         configs += [("hf_generate", {}), ("hf_assisted", {})]
     results = {name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "emitted": 0,
-                      "propose_s": 0.0, "verify_s": 0.0, "outputs": []} for name, _ in configs}
+                      "propose_s": 0.0, "verify_s": 0.0, "outputs": [], "stats": []}
+               for name, _ in configs}
 
     def hf(ids: list[int], assisted: bool) -> list[int]:
         kwargs = dict(max_new_tokens=max_tokens, do_sample=False,
@@ -113,6 +115,7 @@ def run_single_process_bench(
                 r["emitted"] += st.acceptance.emitted_tokens
                 r["propose_s"] += st.propose_s
                 r["verify_s"] += st.verify_s
+                r["stats"].append(st.to_dict())
             r["tokens"] += len(out)
             r["outputs"].append(out)
             bar.update()
@@ -141,6 +144,8 @@ def run_single_process_bench(
             ideal = ideal_speedup(r["emitted"] / r["rounds"], k, costs)
             row["ideal_speedup"] = round(ideal, 3)
             row["efficiency"] = round(tps / base / ideal, 3)
+        if name == "auto":
+            row["plans"] = plan_mix(r["stats"])
         summary["configs"][name] = row
     summary["greedy_mismatches_vs_off"] = mismatches
     report = {
