@@ -6,13 +6,14 @@ Every round, for one request, each candidate (nobody, prompt lookup with k up to
 the draft model with k up to K_max) is scored by the goodput of the target batch it joins::
 
     E(k)      = 1 + sum_{j=1..k} prod_{i<j} alpha_i          (expected committed tokens)
-    time(k)   = overhead + draft(k) + verify(tokens_others + k + 1)
+    time(k)   = overhead + propose(k) / (1 + others) + verify(others + 1, tokens + k + 1)
     goodput   = (others * m + E(k)) / time(k)
 
 alpha_i: this request's acceptance estimate at draft position i for that proposer (an
 exponential moving estimate starting from a prior, the fleet's when Redis has one);
-verify(x): the target's forward time for x tokens in the batch (a + b x, fitted online to
-the replies' compute times); draft(k): the drafter's per-token time (online); others, m:
+verify(rows, tokens): the target's forward time (a + b_row rows + b_draft drafts, fitted
+online to the replies' compute times); propose(k): the proposer's call, for the draft model
+a per-token time (online), for prompt lookup its call alone; others, tokens, m:
 the other rows of the batch plus the target's queue (from the last verify reply) and the
 committed tokens each gets per round. Under load the others dominate and extra tokens
 only slow them, so k falls smoothly to 0 (spec-off); there is no table of steps.
@@ -32,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from specserve.core.ngram import propose_ngram
 from specserve.rounds import NO_SPECULATION, FixedK, Plan, Policy, max_k
@@ -72,36 +75,34 @@ class Acceptance:
 
 
 @dataclass
-class _Linear:
-    """y = a + b x by exponentially weighted least squares, shrunk towards b = rel * a
-    (``rel``: the prior's relative cost of one more token) while x has barely varied, and
-    with 0 <= b <= a: one forward over x tokens costs at most x forwards of one (a noisy
-    fit beyond that is noise, not the model)."""
+class _VerifyFit:
+    """The target's forward time = a + b_row * rows + b_draft * drafts (``drafts``: the
+    tokens beyond one per row), by exponentially weighted least squares with a ridge of two
+    pseudo-observations per coefficient towards the prior ``a * (1, rel_row, rel_draft)``:
+    a coefficient the data does not determine (every row with k = 0; always one row) keeps
+    the prior's, so a k not tried lately looks as cheap as the prior says and gets tried."""
 
-    rel: float
+    rel: tuple[float, float] = (0.3, 0.08)
     decay: float = 0.98
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wy, wxx, wxy
+    xtx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
+    xty: np.ndarray = field(default_factory=lambda: np.zeros(3))
 
-    def observe(self, x: float, y: float) -> None:
-        s = self.sums
-        for i, v in enumerate((1.0, x, y, x * x, x * y)):
-            s[i] = s[i] * self.decay + v
+    def observe(self, rows: int, tokens: float, seconds: float) -> None:
+        x = np.array([1.0, rows, tokens - rows])
+        self.xtx = self.xtx * self.decay + np.outer(x, x)
+        self.xty = self.xty * self.decay + x * seconds
 
     @property
     def known(self) -> bool:
-        return self.sums[0] > 0
+        return bool(self.xtx[0, 0] > 0)
 
-    def coef(self) -> tuple[float, float]:
-        w, wx, wy, wxx, wxy = self.sums
-        mx, my = wx / w, wy / w
-        var = wxx / w - mx * mx
-        a_prior = my / (1.0 + self.rel * mx)
-        b = a_prior * self.rel
-        if var > 1e-9:  # a fit over spread-out x, weighed against the prior's 2 points
-            b_fit = (wxy / w - mx * my) / var
-            b = (w * var * b_fit + 2.0 * b) / (w * var + 2.0)
-        b = min(max(b, 0.0), my / (1.0 + mx))
-        return max(my - b * mx, 1e-6), b
+    def coef(self) -> np.ndarray:
+        w = self.xtx[0, 0]
+        ratios = np.array([1.0, *self.rel])
+        prior = ratios * (self.xty[0] / w) / float(ratios @ (self.xtx[0] / w))
+        lam = 2.0 * np.maximum(np.diag(self.xtx) / w, 1e-9)
+        theta = np.linalg.solve(self.xtx + np.diag(lam), self.xty + lam * prior)
+        return np.maximum(theta, [1e-6, 0.0, 0.0])
 
 
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
@@ -117,22 +118,19 @@ class CostModel:
     ``default_verify_s`` (a conservative guess, or a measured profile) and learns online."""
 
     default_verify_s: float = 0.02
-    token_rel_cost: float = 0.05  # prior: one more token in the forward costs 5% of a row
     draft_rel_cost: float = 0.1  # prior: a draft token costs 10% of a target forward
-    verify: _Linear = field(default_factory=lambda: _Linear(0.05))
+    verify: _VerifyFit = field(default_factory=_VerifyFit)
     draft_token_s: float | None = None
     call_s: dict[str, float] = field(default_factory=dict)  # proposer -> fixed call time
     overhead_s: float = 0.0
     row_tokens: float = 1.5  # committed tokens per row per round, over recent rounds
 
-    def __post_init__(self) -> None:
-        self.verify.rel = self.token_rel_cost
-
-    def verify_s(self, tokens: float) -> float:
+    def verify_s(self, rows: float, tokens: float) -> float:
+        x = np.array([1.0, rows, tokens - rows])
         if not self.verify.known:
-            return self.default_verify_s * (1.0 + self.token_rel_cost * (tokens - 1.0))
-        a, b = self.verify.coef()
-        return a + b * tokens
+            return self.default_verify_s * float(np.array([1.0, *self.verify.rel]) @
+                                                 (x - [0.0, 1.0, 0.0]))
+        return float(self.verify.coef() @ x)
 
     def propose_s(self, proposer: str | None, k: int) -> float:
         if proposer is None or k == 0:
@@ -141,13 +139,15 @@ class CostModel:
         if proposer == "ngram":
             return fixed  # a search over the committed tokens, plus the call
         per = self.draft_token_s
-        return fixed + k * (per if per is not None else self.draft_rel_cost * self.verify_s(1))
+        return fixed + k * (per if per is not None else
+                            self.draft_rel_cost * self.verify_s(1, 1))
 
     def observe(self, o: RoundOutcome) -> None:
         v, p = o.verdict, o.plan.proposer
         verify = v.call.compute_s or o.verify_s  # in process: no replica reports compute
         if v.batch_size > 0 and verify > 0:
-            self.verify.observe(v.batch_tokens or v.batch_size * (o.drafted + 1), verify)
+            self.verify.observe(v.batch_size, v.batch_tokens or v.batch_size * (o.drafted + 1),
+                                verify)
         compute = (o.proposal.call.compute_s or o.propose_s) if o.drafted else 0.0
         if p == "draft" and o.drafted and compute > 0:
             self.draft_token_s = _ema(self.draft_token_s, compute / o.drafted)
@@ -193,10 +193,12 @@ class GoodputPolicy:
 
     def score(self, proposer: str | None, k: int, load: Load) -> tuple[float, Plan]:
         """The batch's goodput (tokens / s) with this row's plan (its expected committed
-        tokens and the round time)."""
+        tokens and the round time). The proposer's time delays this row alone: the target
+        works on the other rows meanwhile, so it counts for 1 / (rows) of the batch."""
         c = self.cost
         e = self.acceptance[proposer].expected(k) if proposer else 1.0
-        t = c.overhead_s + c.propose_s(proposer, k) + c.verify_s(load.tokens + 1 + k)
+        t = c.overhead_s + c.propose_s(proposer, k) / (1 + load.rows) + \
+            c.verify_s(load.rows + 1, load.tokens + 1 + k)
         return (load.rows * c.row_tokens + e) / t, Plan(proposer, k, "goodput", e, t)
 
     def best(self, cands: list[tuple[str, int]], load: Load) -> Plan:

@@ -205,7 +205,8 @@ class RoundOutcome:
 
 class Policy(Protocol):
     def choose(self, state: RequestState) -> Plan:
-        """The proposer and k for this round, k in 0..state.k (0: the last token alone)."""
+        """The proposer and k for this round, k in 0..state.k (0: the last token alone);
+        no proposer when ``state.spec`` is off."""
         ...
 
     def observe(self, state: RequestState, outcome: RoundOutcome) -> None:
@@ -335,8 +336,8 @@ async def speculative_round(state: RequestState, proposer: Proposer | None,
                             observer: Observer) -> RoundOutcome:
     """One round: plan -> propose -> verify -> commit -> feedback -> repair accounting."""
     t0 = time.perf_counter()
-    plan = policy.choose(state) if proposer is not None else NO_SPECULATION
-    k = plan.k if plan.proposer is not None else 0
+    plan = policy.choose(state)  # no proposer: speculation is off (the plan says why)
+    k = plan.k if proposer is not None and plan.proposer is not None else 0
     state.stats.record_plan(plan)
     observer.round_start(state, k)
     proposal = await _propose(state, proposer, plan, observer) if k > 0 else NO_PROPOSAL
