@@ -28,6 +28,7 @@ def router_stats(router: Router) -> dict:
         "active": router.active, "target_reconnects": router.target_reconnects,
         "journal_degraded": router.journal.degraded,
         "journal_write_failures": router.journal.write_failures, **router.totals.to_dict(),
+        "auto_cost_model": router.cost.snapshot(), "auto_prior_failures": router.priors.failures,
     }
 
 

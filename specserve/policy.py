@@ -109,6 +109,13 @@ def _ema(old: float | None, new: float, w: float = 0.1) -> float:
     return new if old is None else (1 - w) * old + w * new
 
 
+def _ema_low(old: float | None, new: float) -> float:
+    """Follows decreases fast, increases slowly: the proposer's own cost, not the queue
+    that forms when every request drafts at once (which would make drafting look dear
+    for good: a proposer no longer chosen is no longer measured)."""
+    return _ema(old, new, 0.5 if old is None or new < old else 0.05)
+
+
 @dataclass
 class CostModel:
     """What a round costs, shared by the requests of one router (or engine): the target's
@@ -132,6 +139,16 @@ class CostModel:
                                                  (x - [0.0, 1.0, 0.0]))
         return float(self.verify.coef() @ x)
 
+    def snapshot(self) -> dict:
+        """What the model believes now, in milliseconds (``router_stats``)."""
+        ms = [round(1000 * float(x), 3) for x in self.verify.coef()] \
+            if self.verify.known else None
+        return {"verify_ms_a_row_draft": ms, "draft_token_ms":
+                round(1000 * self.draft_token_s, 3) if self.draft_token_s else None,
+                "call_ms": {p: round(1000 * v, 3) for p, v in self.call_s.items()},
+                "overhead_ms": round(1000 * self.overhead_s, 3),
+                "row_tokens": round(self.row_tokens, 3)}
+
     def propose_s(self, proposer: str | None, k: int) -> float:
         if proposer is None or k == 0:
             return 0.0
@@ -150,10 +167,10 @@ class CostModel:
                                 verify)
         compute = (o.proposal.call.compute_s or o.propose_s) if o.drafted else 0.0
         if p == "draft" and o.drafted and compute > 0:
-            self.draft_token_s = _ema(self.draft_token_s, compute / o.drafted)
+            self.draft_token_s = _ema_low(self.draft_token_s, compute / o.drafted)
         if p is not None and o.drafted:
             fixed = max(0.0, o.propose_s - (compute if p == "draft" else 0.0))
-            self.call_s[p] = _ema(self.call_s.get(p), fixed)
+            self.call_s[p] = _ema_low(self.call_s.get(p), fixed)
         self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
         self.row_tokens = _ema(self.row_tokens, len(o.decision.tokens), 0.05)
 
