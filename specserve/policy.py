@@ -80,29 +80,39 @@ class _VerifyFit:
     tokens beyond one per row), by exponentially weighted least squares with a ridge of two
     pseudo-observations per coefficient towards the prior ``a * (1, rel_row, rel_draft)``:
     a coefficient the data does not determine (every row with k = 0; always one row) keeps
-    the prior's, so a k not tried lately looks as cheap as the prior says and gets tried."""
+    the prior's, so a k not tried lately looks as cheap as the prior says and gets tried.
+    And b_draft <= b_row: a draft token in a row never costs more than a new row (when rows
+    and drafts rise together the fit alone cannot tell them apart)."""
 
     rel: tuple[float, float] = (0.3, 0.08)
     decay: float = 0.98
     xtx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     xty: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    _theta: np.ndarray | None = None  # the solution for the sums as they are
 
     def observe(self, rows: int, tokens: float, seconds: float) -> None:
         x = np.array([1.0, rows, tokens - rows])
         self.xtx = self.xtx * self.decay + np.outer(x, x)
         self.xty = self.xty * self.decay + x * seconds
+        self._theta = None
 
     @property
     def known(self) -> bool:
         return bool(self.xtx[0, 0] > 0)
 
     def coef(self) -> np.ndarray:
+        if self._theta is None:
+            self._theta = self._solve()
+        return self._theta
+
+    def _solve(self) -> np.ndarray:
         w = self.xtx[0, 0]
         ratios = np.array([1.0, *self.rel])
         prior = ratios * (self.xty[0] / w) / float(ratios @ (self.xtx[0] / w))
         lam = 2.0 * np.maximum(np.diag(self.xtx) / w, 1e-9)
-        theta = np.linalg.solve(self.xtx + np.diag(lam), self.xty + lam * prior)
-        return np.maximum(theta, [1e-6, 0.0, 0.0])
+        a, b_row, b_draft = np.linalg.solve(self.xtx + np.diag(lam), self.xty + lam * prior)
+        b_row = max(b_row, 0.0)
+        return np.array([max(a, 1e-6), b_row, min(max(b_draft, 0.0), b_row)])
 
 
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
