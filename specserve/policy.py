@@ -257,13 +257,13 @@ class GoodputPolicy:
     def reproducible(self, state: RequestState, k_cap: int) -> Plan:
         """A sampled request's plan: a function of its committed tokens alone, so that its
         seed reproduces it (a retry, a resume from the journal; DESIGN §2), whatever the
-        timing and load: a full-length lookup match, else the draft model, else a shorter
-        match, else nobody."""
-        match = propose_ngram(state.committed, k_cap, *self.ngram_n)
-        if len(match) == k_cap or (match and not self.has_drafter):
-            return Plan("ngram", len(match), "sampled")
+        timing and load: the draft model (what spec=draft does), else a lookup match, else
+        nobody. (Prompt lookup's q is one-hot: sampled, it is accepted with p(x) only.)"""
         if self.has_drafter:
             return Plan("draft", k_cap, "sampled")
+        match = propose_ngram(state.committed, k_cap, *self.ngram_n)
+        if match:
+            return Plan("ngram", len(match), "sampled")
         return Plan(None, 0, "no_lookup_match")
 
     def observe(self, state: RequestState, o: RoundOutcome) -> None:
