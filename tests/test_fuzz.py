@@ -31,6 +31,9 @@ SEED = int(os.environ.get("SPECSERVE_FUZZ_SEED", "13"))
 GENERATE = "/specserve.v1.SpecServe/Generate"
 UNARY = "/specserve.v1.SpecServe/GenerateUnary"
 BAD = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+# A call still running after this is a hang. Some fuzzed requests are valid and long (512
+# tokens with top-20 logprobs): on 2 shared cores with 8 fuzzing threads they take 30 s+.
+CALL_TIMEOUT_S = 120
 
 U32 = [0, 1, 2, 3, 4, 16, 17, 20, 21, 64, 127, 128, 511, 512, 65536, 65537, 2**31 - 1,
        2**31, 2**32 - 1]
@@ -145,9 +148,9 @@ def test_fuzz_the_service(service, generator):
             for i, method, payload, md in chunk:
                 try:
                     if method == GENERATE:
-                        list(calls[method](payload, metadata=md, timeout=30))
+                        list(calls[method](payload, metadata=md, timeout=CALL_TIMEOUT_S))
                     else:
-                        calls[method](payload, metadata=md, timeout=30)
+                        calls[method](payload, metadata=md, timeout=CALL_TIMEOUT_S)
                     code = grpc.StatusCode.OK
                 except grpc.RpcError as e:
                     code = e.code()
