@@ -14,15 +14,13 @@ Bigger runs: SPECSERVE_FAULT_REQUESTS=128 SPECSERVE_FAULT_TOKENS=64.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import threading
 import time
 from collections import Counter
 
 import pytest
+from redis_server import RedisServer
 
 from specserve.api import GenerationRequest
 
@@ -32,55 +30,14 @@ TOKENS = int(os.environ.get("SPECSERVE_FAULT_TOKENS", "24"))
 TRIGGER = max(2, TOKENS // 4)
 
 
-class RedisServer:
-    """A redis-server of this module's own: restarted and flushed by the faults."""
-
-    def __init__(self, tmp):
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.skip("redis-server not installed")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.exe, self.tmp = exe, tmp
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.start()
-
-    def start(self) -> None:
-        import redis
-
-        self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.tmp), "--maxmemory", "64mb",
-             "--maxmemory-policy", "volatile-ttl"], stdout=subprocess.DEVNULL)
-        for _ in range(200):
-            try:
-                redis.Redis.from_url(self.url).ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def flushall(self) -> None:
-        import redis
-
-        redis.Redis.from_url(self.url).flushall()
-
-
 @pytest.fixture(scope="module")
 def faults_app(service, tmp_path_factory):
     from ray import serve
 
     from deployments.app import build_app
 
-    redis_server = RedisServer(tmp_path_factory.mktemp("redis"))
+    redis_server = RedisServer(tmp_path_factory.mktemp("redis"), "--maxmemory", "64mb",
+                               "--maxmemory-policy", "volatile-ttl")
     serve.run(build_app({
         "redis_url": redis_server.url,
         "router": {"scaling": {"min_replicas": 2, "max_replicas": 2, "num_cpus": 0.1}},

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import shutil
-import socket
-import subprocess
-import time
 
 import pytest
+from redis_server import RedisServer
 
 from router.priors import PriorStore
 from specserve.api import GenerationRequest
@@ -248,27 +245,9 @@ def test_greedy_auto_in_lockstep_with_mixed_requests(builtin_pair, generator, he
 # ------------------------------------------------------------------ fleet priors (Redis)
 @pytest.fixture
 def redis_url(tmp_path):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
-    for _ in range(100):
-        try:
-            redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait()
+    server = RedisServer(tmp_path)
+    yield server.url
+    server.stop()
 
 
 def test_priors_are_shared_through_redis(redis_url):

@@ -10,14 +10,12 @@ import asyncio
 import datetime
 import ipaddress
 import os
-import shutil
-import socket
-import subprocess
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+from redis_server import RedisServer
 
 from specserve.auth import PEER_KEY, KeyStore
 from specserve.errors import AlreadyExists, Unauthenticated
@@ -194,27 +192,9 @@ def test_drafter_refuses_huge_k(builtin_pair):
 @pytest.fixture()
 def private_redis(tmp_path):
     """A redis-server of our own (flushed and restarted by tests; nobody else uses it)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
-    for _ in range(100):
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield url
-    proc.kill()
-    proc.wait()
+    server = RedisServer(tmp_path)
+    yield server.url
+    server.stop()
 
 
 def test_journal_binds_entries_and_never_gaps(private_redis):
