@@ -1,26 +1,26 @@
 """The target service's multi-session verifier: one batched forward for many sequences.
 
-Each session keeps the tokens its KV covers and the KV itself (a per-session buffer
-``[2, layers, kv_heads, capacity, head_dim]`` that grows by doubling). A verify call
-reconstructs every row's committed tokens from ``tokens_start`` (the prefix the session
-already holds) plus the tokens sent, repairs the session's cache by content
-(``repair_plan``), and then feeds all rows' new tokens in ONE forward of the Hugging Face
-model:
+Every session's KV lives in one preallocated, position-addressed pool per replica
+(gpt-fast's static cache, one slot per session): ``[2, layers, slots, kv_heads, L, head_dim]``,
+a row's entries at their true positions ``0 .. length``. A verify call reconstructs every
+row's committed tokens from ``tokens_start`` (the prefix the session already holds) plus
+the tokens sent, repairs the session's cache by content (``repair_plan``; a repair is a
+length change), and feeds all rows' new tokens in ONE forward of the Hugging Face model:
 
-* past: each row's KV left-padded to the longest cache P, copied once into a buffer
-  [2, layers, B, kv_heads, P + T, head_dim] that the ``DynamicCache``'s layers write the
-  new entries into in place (``_InPlaceLayer``; ~15% cheaper than concatenating),
+* the rows occupy consecutive slots (they normally already do: a step's rows are the same
+  sessions as the last step's; otherwise rows are swapped into place, one row copy each),
+  so the forward's past is a view of the pool: nothing is copied per round,
 * inputs: each row's new tokens (committed[keep:] + drafts) left-aligned, right-padded to
-  the longest count T, so a row's real tokens directly follow its cache,
-* a 2D attention mask [B, P + T] that is 1 exactly on each row's real cache entries and
-  real inputs (the causal part comes from the index order, which pads do not break;
-  omitted when no row is padded), and
-* explicit ``position_ids`` [B, T]: each row's true positions, cache length + 0, 1, ...
+  the longest count T; explicit ``position_ids`` (each row's true positions),
+* each layer's cache ``update`` writes every row's new K/V in place at its own positions
+  (one indexed write per layer) and returns the pool view up to the longest row,
+* a 4D boolean mask ``[B, 1, T, keys]``: query j of row b sees keys ``0 .. len_b + j``
+  (omitted when every row has the same length and feeds one token).
 
-Each row's logits are read at its last k + 1 real inputs, its real new KV entries are
-appended to its own buffer, and ``verify_batch`` decides all rows at once. A session that
-is unknown or holds fewer than ``tokens_start`` tokens (evicted, replica restarted) answers
-``cache_miss``; the caller resends the full committed list with ``tokens_start = 0``.
+Each row's logits are read at its last k + 1 real inputs and ``verify_batch`` decides all
+rows at once. A session that is unknown or holds fewer than ``tokens_start`` tokens
+(evicted, replica restarted) answers ``cache_miss``; the caller resends the full committed
+list with ``tokens_start = 0``.
 """
 
 from __future__ import annotations
@@ -48,93 +48,123 @@ _TOKEN_BYTES = 8
 _MIN_CAPACITY = 64
 
 
-class _KV:
-    """One session's KV entries, ``length`` of ``capacity`` used."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
-        self.shape = (2, layers, kv_heads, 0, head_dim)
-        self.dtype, self.device = dtype, device
-        self.buf = torch.empty(self.shape, dtype=dtype, device=device)  # [2, Ly, KVH, C, D]
-        self.length = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.buf.numel() * self.buf.element_size()
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    def reserve(self, end: int) -> None:
-        """Capacity for ``end`` entries (grows by doubling; the only copy of the past)."""
-        cap = self.buf.shape[3]
-        if end > cap:
-            grown = torch.empty(
-                (*self.shape[:3], max(_MIN_CAPACITY, 2 * cap, end), self.shape[4]),
-                dtype=self.dtype, device=self.device)
-            grown[:, :, :, : self.length] = self.buf[:, :, :, : self.length]
-            self.buf = grown
-
-    def append(self, new: torch.Tensor) -> None:  # new: [2, Ly, KVH, n, D]
-        end = self.length + new.shape[3]
-        self.reserve(end)
-        self.buf[:, :, :, self.length : end] = new
-        self.length = end
-
-
-class _InPlaceLayer(DynamicLayer):
-    """A ``DynamicLayer`` over a preallocated buffer [B, KVH, P+T, D] that already holds the
-    padded past: ``update`` writes the new entries in place instead of concatenating."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, past_len: int):
-        super().__init__()
-        self.lazy_initialization(keys, values)
-        self._kbuf, self._vbuf, self._len = keys, values, past_len
-        self.keys, self.values = keys[:, :, :past_len], values[:, :, :past_len]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
-               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self._len + key_states.shape[-2]
-        self._kbuf[:, :, self._len : end] = key_states
-        self._vbuf[:, :, self._len : end] = value_states
-        self._len = end
-        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
-        return self.keys, self.values
-
-
-def _padded_past(config: object, kv: torch.Tensor, p: int) -> DynamicCache:
-    # kv: [2, Ly, B, KVH, P+T, D], the first P entries per row are the (left-padded) past
-    cache = DynamicCache(config=config)
-    if all(type(layer) is DynamicLayer for layer in cache.layers):
-        cache.layers = [_InPlaceLayer(kv[0, j], kv[1, j], p) for j in range(kv.shape[1])]
-    elif p > 0:  # other layer kinds: the generic (copying) path
-        cache = DynamicCache(ddp_cache_data=[(kv[0, j, :, :, :p], kv[1, j, :, :, :p])
-                                             for j in range(kv.shape[1])], config=config)
-    return cache
-
-
-def _in_place_ok(config: object) -> bool:
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
-
-
-def _read_back(cache: DynamicCache, kv: torch.Tensor, row: int, p: int, n: int) -> torch.Tensor:
-    """Row ``row``'s n new entries after the forward: [2, Ly, KVH, n, D]."""
-    if all(isinstance(layer, _InPlaceLayer) for layer in cache.layers):
-        return kv[:, :, row, :, p : p + n]
-    return torch.stack([
-        torch.stack([layer.keys[row, :, p : p + n] for layer in cache.layers]),
-        torch.stack([layer.values[row, :, p : p + n] for layer in cache.layers]),
-    ])
+class UnsupportedTargetError(ValueError):
+    """The target model's cache is not plain full attention (sliding or linear layers)."""
 
 
 @dataclass
 class _Session:
     tokens: list[int]  # what the KV covers: the last committed list + its drafts
-    kv: _KV
+    slot: int = -1
+    length: int = 0  # valid KV entries
+    pool: _Pool | None = None
 
     @property
-    def nbytes(self) -> int:
-        return self.kv.nbytes + _TOKEN_BYTES * len(self.tokens)
+    def nbytes(self) -> int:  # its slot at the pool's current length
+        slot = self.pool.slot_bytes if self.pool is not None else 0
+        return slot + _TOKEN_BYTES * len(self.tokens)
+
+
+class _Pool:
+    """Every session's KV: ``buf`` [2, Ly, S, KVH, L, D], slot s owned by ``owner[s]``.
+    Grows by doubling (slots or length: the only copy of the past besides moving a row
+    into place)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.buf = torch.empty((2, layers, 0, kv_heads, 0, head_dim), dtype=dtype,
+                               device=device)
+        self.owner: list[_Session | None] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.buf.shape[4]
+
+    @property
+    def slot_bytes(self) -> int:
+        s = self.buf.shape
+        return 2 * s[1] * s[3] * s[4] * s[5] * self.buf.element_size()
+
+    def reserve(self, slots: int, length: int) -> None:
+        have_s, have_l = self.buf.shape[2], self.capacity
+        if slots <= have_s and length <= have_l:
+            return
+        new_s = have_s if slots <= have_s else max(slots, 2 * have_s, 4)
+        new_l = have_l if length <= have_l else max(length, 2 * have_l, _MIN_CAPACITY)
+        b = self.buf.shape
+        grown = torch.empty((b[0], b[1], new_s, b[3], new_l, b[5]), dtype=self.buf.dtype,
+                            device=self.buf.device)
+        used = max((s.length for s in self.owner if s is not None), default=0)
+        grown[:, :, :have_s, :, :used] = self.buf[:, :, :, :, :used]
+        self.buf = grown
+        self.owner += [None] * (new_s - have_s)
+
+    def assign(self, sess: _Session) -> None:
+        if None not in self.owner:
+            self.reserve(len(self.owner) + 1, self.capacity)
+        sess.slot = self.owner.index(None)
+        self.owner[sess.slot] = sess
+
+    def free(self, sess: _Session) -> None:
+        if 0 <= sess.slot < len(self.owner) and self.owner[sess.slot] is sess:
+            self.owner[sess.slot] = None
+        sess.slot = -1
+
+    def place(self, sessions: list[_Session]) -> int:
+        """Put ``sessions`` in consecutive slots (in some order; their ``slot`` fields tell
+        which) moving as few rows as possible; returns the first slot."""
+        slots = sorted(s.slot for s in sessions)
+        if slots[-1] - slots[0] == len(slots) - 1:
+            return slots[0]
+        b = len(sessions)
+        inside = {s.slot for s in sessions if s.slot < b}
+        holes = [j for j in range(b) if j not in inside]
+        for sess, hole in zip([s for s in sessions if s.slot >= b], holes, strict=True):
+            self._swap(sess.slot, hole)
+        return 0
+
+    def _swap(self, a: int, b: int) -> None:
+        sa, sb = self.owner[a], self.owner[b]
+        na = sa.length if sa is not None else 0
+        nb = sb.length if sb is not None else 0
+        saved = self.buf[:, :, b, :, :nb].clone()
+        self.buf[:, :, b, :, :na] = self.buf[:, :, a, :, :na]
+        self.buf[:, :, a, :, :nb] = saved
+        self.owner[a], self.owner[b] = sb, sa
+        for sess, slot in ((sa, b), (sb, a)):
+            if sess is not None:
+                sess.slot = slot
+
+
+class _SlotLayer(DynamicLayer):
+    """A cache layer over consecutive pool slots [B, KVH, L, D]: ``update`` writes every
+    row's new entries at its own positions (one indexed write) and returns the keys and
+    values up to ``keys`` entries (the longest row's length + T)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                 positions: torch.Tensor, keys: int):
+        super().__init__()
+        self._k, self._v, self._rows, self._pos, self._n = k, v, rows, positions, keys
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states: [B, KVH, T, D] -> the pool's [B, T, KVH, D] at (row, position)
+        self._k[self._rows, :, self._pos] = key_states.transpose(1, 2)
+        self._v[self._rows, :, self._pos] = value_states.transpose(1, 2)
+        self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:  # the past (every row's, in the uniform case)
+        return self._n - self._pos.shape[1]
+
+
+def _check_layers(config: object) -> None:
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+    if kinds - {"DynamicLayer"}:
+        raise UnsupportedTargetError(
+            f"the target engine needs full-attention layers; this model's cache has "
+            f"{sorted(kinds)}")
 
 
 @dataclass
@@ -171,7 +201,8 @@ class TargetEngine(LRUSessions):
                             or cfg.hidden_size // cfg.num_attention_heads)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.in_place = _in_place_ok(cfg)  # plain DynamicLayers: writable in place
+        _check_layers(cfg)
+        self.pool = _Pool(self.layers, self.kv_heads, self.head_dim, self.dtype, self.device)
         self.batch_invariant = batch_invariant
         self.forward_batches = 0
         self.rows_verified = 0
@@ -185,6 +216,9 @@ class TargetEngine(LRUSessions):
             "rows_verified": self.rows_verified,
             "max_batch_size_seen": self.max_batch_size_seen,
         }
+
+    def _dropped(self, session: _Session) -> None:
+        self.pool.free(session)
 
     # ----------------------------------------------------------------- checks
     def _check(self, items: Sequence[VerifyItem]) -> None:
@@ -227,13 +261,13 @@ class TargetEngine(LRUSessions):
                 outcomes[idx] = VerifyOutcome(0, -1, False, True, None, 0)
                 continue
             if sess is None:
-                sess = _Session([], _KV(self.layers, self.kv_heads, self.head_dim, self.dtype,
-                                        self.device))
+                sess = _Session([], pool=self.pool)
+                self.pool.assign(sess)
                 self._sessions[it.session_id] = sess
             committed = [*sess.tokens[: it.tokens_start], *it.tokens]
             plan = repair_plan(sess.tokens, committed)
             repair = RepairRecord(len(sess.tokens), plan.keep, len(committed) - plan.keep)
-            sess.kv.crop(plan.keep)
+            sess.length = min(sess.length, plan.keep)
             sess.tokens = committed[: plan.keep]
             rows.append((idx, _Row(it, sess, committed,
                                    [*committed[plan.keep :], *it.draft_tokens], plan.keep,
@@ -271,29 +305,32 @@ class TargetEngine(LRUSessions):
 
     def _forward_batch(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
         b = len(rows)
-        p = max(r.past_len for r in rows)
         t = max(len(r.feed) for r in rows)
         k_max = max(len(r.item.draft_tokens) for r in rows)
+        keys = max(r.past_len for r in rows) + t
+        self.pool.reserve(len(self.pool.owner), keys)
+        first_slot = self.pool.place([r.session for r in rows])
+        back = torch.tensor([r.session.slot - first_slot for r in rows])  # caller's order
+        rows = sorted(rows, key=lambda r: r.session.slot)  # the pool's order
+
+        ids = [[*r.feed, *[0] * (t - len(r.feed))] for r in rows]  # pads: token 0, masked
+        past = torch.tensor([r.past_len for r in rows])
+        pos = past[:, None] + torch.arange(t)  # [B, T] true positions (pads continue)
+        uniform = t == 1 and all(r.past_len == rows[0].past_len for r in rows)
+        mask = None if uniform else (torch.arange(keys)[None, None, :] <= pos[:, :, None])
         dev = self.device
-
-        input_ids = torch.zeros((b, t), dtype=torch.long)  # pads: token 0, masked
-        mask = torch.zeros((b, p + t), dtype=torch.long)
-        positions = torch.zeros((b, t), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r.feed)
-            input_ids[i, :n] = torch.tensor(r.feed)
-            mask[i, p - r.past_len : p + n] = 1
-            # true positions; pads continue the count (masked, clamped into the table)
-            positions[i] = (r.past_len + torch.arange(t)).clamp(max=self.max_context - 1)
-
-        past, kv = self._past(rows, p, t)
+        pool = self.pool.buf[:, :, first_slot : first_slot + b]  # [2, Ly, B, KVH, L, D]
+        row_idx, pos_dev = torch.arange(b, device=dev)[:, None], pos.to(dev)
+        cache = DynamicCache(config=self.config)
+        cache.layers = [_SlotLayer(pool[0, j], pool[1, j], row_idx, pos_dev, keys)
+                        for j in range(self.layers)]
         # logits only where some row needs them: from the earliest first-verified input on
         first = min(len(r.feed) - len(r.item.draft_tokens) - 1 for r in rows)
-        padded = any(r.past_len != p or len(r.feed) != t for r in rows)
         out = self.model(
-            input_ids=input_ids.to(dev), attention_mask=mask.to(dev) if padded else None,
-            position_ids=positions.to(dev), cache=past, use_cache=True,
-            logits_to_keep=t - first,
+            input_ids=torch.tensor(ids).to(dev),
+            attention_mask=None if mask is None else mask[:, None].to(dev),
+            position_ids=pos.clamp(max=self.max_context - 1).to(dev), cache=cache,
+            use_cache=True, logits_to_keep=t - first,
         )
         self.forward_batches += 1
         self.rows_verified += b
@@ -307,37 +344,10 @@ class TargetEngine(LRUSessions):
             idx[i] = (start + torch.arange(k_max + 1)).clamp(max=start + k)
         logits = out.logits.float().gather(
             1, idx.to(dev)[:, :, None].expand(-1, -1, out.logits.shape[-1]))  # [B, K+1, V]
-
-        # each row's real new KV entries into its own cache (written in place with one row)
-        for i, r in enumerate(rows):
-            n = len(r.feed)
-            if kv is None:
-                r.session.kv.length = r.past_len + n
-            else:
-                r.session.kv.append(_read_back(past, kv, i, p, n))  # [2, Ly, KVH, n, D]
+        for r in rows:
+            r.session.length = r.past_len + len(r.feed)
             r.session.tokens = [*r.committed, *r.item.draft_tokens]
-        return logits.cpu()
-
-    def _past(self, rows: list[_Row], p: int, t: int) -> tuple[DynamicCache,
-                                                              torch.Tensor | None]:
-        """The past for the forward. One row: its own buffer, the new entries written in
-        place at their positions (no copy). Several rows: one buffer [2, Ly, B, KVH, P+T, D]
-        holding every row's past left-padded to P, the new entries written after it."""
-        if len(rows) == 1 and self.in_place:
-            r = rows[0]
-            r.session.kv.reserve(r.past_len + t)
-            buf = r.session.kv.buf  # [2, Ly, KVH, C, D]
-            cache = DynamicCache(config=self.config)
-            cache.layers = [_InPlaceLayer(buf[0, j][None], buf[1, j][None], r.past_len)
-                            for j in range(self.layers)]
-            return cache, None
-        kv = torch.empty((2, self.layers, len(rows), self.kv_heads, p + t, self.head_dim),
-                         dtype=self.dtype, device=self.device)
-        for i, r in enumerate(rows):
-            pad = p - r.past_len
-            kv[:, :, i, :, :pad] = 0.0  # masked; finite so 0-weights stay 0
-            kv[:, :, i, :, pad:p] = r.session.kv.buf[:, :, :, : r.past_len]
-        return _padded_past(self.config, kv, p), kv
+        return logits.cpu()[back]
 
     def _decide(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, int, bool]]:
         # logits: [B, K+1, V]

@@ -29,7 +29,13 @@ class LRUSessions(Generic[S]):
 
     def release(self, session_id: str) -> bool:
         """Drop a session's state; True if it existed."""
-        return self._sessions.pop(session_id, None) is not None
+        sess = self._sessions.pop(session_id, None)
+        if sess is not None:
+            self._dropped(sess)
+        return sess is not None
+
+    def _dropped(self, session: S) -> None:
+        """Hook: a session was released or evicted (the engine frees what it held)."""
 
     def has_session(self, session_id: str) -> bool:
         return session_id in self._sessions
@@ -49,5 +55,7 @@ class LRUSessions(Generic[S]):
         for sid in [s for s in self._sessions if s not in protect]:  # oldest first
             if total <= self.cache_budget_bytes:
                 break
-            total -= self._sessions.pop(sid).nbytes
+            sess = self._sessions.pop(sid)
+            total -= sess.nbytes
+            self._dropped(sess)
             self.evictions += 1
