@@ -1,14 +1,22 @@
-"""The drafter replica's gRPC server: a bidi ``Propose`` stream per router.
+"""The drafter replica's gRPC server: a bidi ``Propose`` stream per router, one batcher.
 
-Proposals run one at a time in a worker thread (a drafter step is ~0.3 ms here; batching
-drafts across sessions is future work). Private and bounded like the target's server: a
-shared ``secret`` on every stream, a message size limit, k at most ``MAX_K``, and sessions
-released by message, by their stream ending, or after ``idle_s`` unused.
+Every Propose message from every open stream is checked on its own (a bad item is answered
+with its error and never joins a batch), then goes into one queue; the batcher takes what
+is there (waiting up to ``batch_wait_s`` for more while other active sessions are expected)
+and runs one ``DrafterEngine.propose`` over all of them in a worker thread, so concurrent
+sessions share each draft step's forward (``sessions.propose_batch``). A session that is
+twice in the queue is served in order, in consecutive engine calls. ``batches`` / ``rows``
+count the engine calls and the items they served (mean drafter batch = rows / batches).
+
+Private and bounded like the target's server: a shared ``secret`` on every stream, a
+message size limit, k at most ``MAX_K``, and sessions released by message, by their stream
+ending, or after ``idle_s`` unused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -18,6 +26,7 @@ import grpc
 from specserve import tracing
 from specserve.api import MAX_K
 from specserve.auth import PeerAuthInterceptor
+from specserve.contract import ProposeItem, ProposeOutcome
 from specserve.engine.drafter import DrafterEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
@@ -25,20 +34,30 @@ from specserve.service.peers import SessionTracker
 from specserve.service.wire import propose_item_from_proto, propose_outcome_to_proto
 
 log = logging.getLogger(__name__)
+_Job = tuple[ProposeItem, "asyncio.Future[tuple[ProposeOutcome, int]]"]  # an item, its answer
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, engine: DrafterEngine, replica: str, idle_s: float = 10.0):
+    def __init__(self, engine: DrafterEngine, replica: str, idle_s: float = 10.0,
+                 max_batch: int = 64, batch_wait_s: float = 0.001):
         self.engine = engine
         self.replica = replica
         self.proposals = 0
-        self._lock = asyncio.Lock()
+        self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s
+        self.batches = 0  # engine calls
+        self.rows = 0  # items they served
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._active: dict[str, float] = {}  # session -> last seen (for the batching wait)
+        self._batcher: asyncio.Task | None = None
         self.sessions = SessionTracker(engine.release, idle_s)
         self._streams = itertools.count(1)
         self._reaper: asyncio.Task | None = None
 
     def start(self) -> None:
-        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+        loop = asyncio.get_running_loop()
+        self._reaper = loop.create_task(self._reap())
+        self._batcher = loop.create_task(self._run())
 
     async def _reap(self) -> None:
         while True:
@@ -75,20 +94,76 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             if msg.k > MAX_K:
                 raise ValueError(f"k: {msg.k} drafts asked, at most {MAX_K}")
             item = propose_item_from_proto(msg)
-            async with self._lock:
-                t0 = time.perf_counter()
-                self.sessions.busy = True
-                try:
-                    (o,) = await asyncio.to_thread(self.engine.propose, [item])
-                finally:
-                    self.sessions.busy = False
-                    self.sessions.apply()
-                compute_us = int((time.perf_counter() - t0) * 1e6)
+            self.engine.validate(item)  # alone: a bad item must not fail its batch
+            if self._batcher is None:  # a servicer nobody started
+                self._batcher = asyncio.get_running_loop().create_task(self._run())
+            answer: asyncio.Future[tuple[ProposeOutcome, int]] = (
+                asyncio.get_running_loop().create_future())
+            self._active[item.session_id] = time.monotonic()
+            await self._queue.put((item, answer))
+            o, compute_us = await answer
         except Exception as e:
             log.warning("propose failed: %s", e)
             return pb.ProposeReply(call_id=msg.call_id, error=str(e), replica=self.replica)
         self.proposals += 1
         return propose_outcome_to_proto(o, msg.call_id, self.replica, compute_us)
+
+    def _expected_rows(self) -> int:
+        now = time.monotonic()
+        for sid in [s for s, t in self._active.items() if now - t > 1.0]:
+            del self._active[sid]
+        return len(self._active)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            deadline = loop.time() + self.batch_wait_s
+            # Wait briefly for the other active sessions' proposals to arrive.
+            while len(batch) < min(self.max_batch, self._expected_rows()):
+                try:
+                    batch.append(self._queue.get_nowait())
+                    continue
+                except asyncio.QueueEmpty:
+                    pass
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+            while len(batch) < self.max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            while batch:  # a session twice in the queue: its calls in order, one per engine call
+                now: list[_Job] = []
+                later: list[_Job] = []
+                seen: set[str] = set()
+                for job in batch:
+                    (later if job[0].session_id in seen else now).append(job)
+                    seen.add(job[0].session_id)
+                await self._serve(now)
+                batch = later
+
+    async def _serve(self, jobs: list[_Job]) -> None:
+        """One engine call for ``jobs``; each answer (or the call's error) to its future."""
+        try:
+            t0 = time.perf_counter()
+            self.sessions.busy = True
+            try:
+                outcomes = await asyncio.to_thread(self.engine.propose, [it for it, _ in jobs])
+            finally:
+                self.sessions.busy = False
+                self.sessions.apply()
+            compute_us = int((time.perf_counter() - t0) * 1e6)
+            self.batches += 1
+            self.rows += len(jobs)
+        except Exception as e:  # a failed call answers its items, never ends the batcher
+            for _, answer in jobs:
+                if not answer.done():
+                    answer.set_exception(e)
+            return
+        for (_, answer), o in zip(jobs, outcomes, strict=True):
+            if not answer.done():  # its stream may be gone
+                answer.set_result((o, compute_us))
 
     async def Propose(self, request_iterator, context):
         replies: asyncio.Queue = asyncio.Queue()
@@ -103,6 +178,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             async for msg in request_iterator:
                 if msg.release:
                     self.sessions.release(msg.session_id)
+                    self._active.pop(msg.session_id, None)
                     continue
                 self.sessions.touch(msg.session_id, stream)
                 t = loop.create_task(handle(msg))
@@ -122,12 +198,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
 async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
                                replica: str = "drafter", secret: str | None = None,
-                               max_message_bytes: int = 32 << 20, idle_s: float = 10.0):
+                               max_message_bytes: int = 32 << 20, idle_s: float = 10.0,
+                               max_batch: int = 64, batch_wait_s: float = 0.001):
     server = grpc.aio.server(
         interceptors=[PeerAuthInterceptor(secret)] if secret else None,
         options=[("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.max_send_message_length", max_message_bytes)])
-    servicer = DrafterServicer(engine, replica, idle_s)
+    servicer = DrafterServicer(engine, replica, idle_s, max_batch, batch_wait_s)
     pb_grpc.add_DrafterServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()

@@ -3,11 +3,14 @@
 Each session keeps the committed tokens it was last sent (for the ``tokens_start``
 protocol and for n-gram lookup) and, once a draft-model call arrives, a
 ``DraftModelSession`` (lean static KV cache, repaired by content with ``repair_plan``).
-Calls are served one item after another: a drafter step is a single-token forward of a
-small model, so batching it would not pay on CPU. Same ``tokens_start`` / ``cache_miss``
-protocol as the target (``specserve.engine.target``): an unknown session, or one that holds
-fewer than ``tokens_start`` committed tokens, answers ``cache_miss`` and the caller resends
-the full committed list with ``tokens_start = 0``.
+A call's draft-model items are drafted together (``sessions.propose_batch``): one batched
+forward feeds every row its repair, then one per draft step for the rows that still need
+drafts (a row with a smaller k drops out; k = 0 only repairs). Greedy rows share their
+matmuls; a sampled row's logits, drafts and q are bitwise those it gets alone. N-gram items
+need no forward. Same ``tokens_start`` / ``cache_miss`` protocol as the target
+(``specserve.engine.target``): an unknown session, or one that holds fewer than
+``tokens_start`` committed tokens, answers ``cache_miss`` and the caller resends the full
+committed list with ``tokens_start = 0``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from specserve.contract import ProposeItem, ProposeOutcome
 from specserve.core.commit import check_tokens_window
 from specserve.core.ngram import propose_ngram
 from specserve.engine.lean import LeanLlama
-from specserve.engine.sessions import DraftModelSession
+from specserve.engine.sessions import DraftJob, DraftModelSession, propose_batch
 from specserve.service.lru import LRUSessions
 
 __all__ = ["DrafterEngine", "ProposeItem", "ProposeOutcome"]
@@ -83,31 +86,49 @@ class DrafterEngine(LRUSessions):
                 if not it.sampling.greedy and it.sampling.seed is None:
                     raise ValueError(f"session {sid!r}: a sampled row needs sampling.seed")
 
+    def validate(self, item: ProposeItem) -> None:
+        """Raise ValueError if ``item`` alone would be refused (``propose`` checks the
+        whole list at once; a server checks each item first so a bad one fails alone)."""
+        self._check([item])
+
     def propose(self, items: list[ProposeItem]) -> list[ProposeOutcome]:
         self._check(items)
-        outcomes: list[ProposeOutcome] = []
+        outcomes: list[ProposeOutcome | None] = [None] * len(items)
         served: set[str] = set()
-        for it in items:
-            sess = self._sessions.get(it.session_id)
-            if it.tokens_start > 0 and (sess is None or len(sess.committed) < it.tokens_start):
-                self.misses += 1
-                outcomes.append(ProposeOutcome([], None, cache_miss=True))
-                continue
+        jobs: list[DraftJob] = []
+        slots: list[int] = []
+        for i, it in enumerate(items):
+            sess = self._admit(it, served)
             if sess is None:
-                sess = self._sessions[it.session_id] = _Session([])
-            sess.committed = [*sess.committed[: it.tokens_start], *it.tokens]
-            self._sessions.move_to_end(it.session_id)
-            served.add(it.session_id)
-            self.proposals += 1
-            if it.mode == "ngram":
+                outcomes[i] = ProposeOutcome([], None, cache_miss=True)
+            elif it.mode == "ngram":
                 drafts = propose_ngram(sess.committed, it.k, self.ngram_max_n, self.ngram_min_n)
-                outcomes.append(ProposeOutcome(drafts, None))
-                continue
-            assert self.lean is not None  # checked
-            if sess.model is None:
-                sess.model = DraftModelSession(self.lean)
-            drafts, q, record = sess.model.propose(
-                sess.committed, it.k, it.sampling, it.sampling.seed or 0)
-            outcomes.append(ProposeOutcome(drafts, q, repair=record))
+                outcomes[i] = ProposeOutcome(drafts, None)
+            else:
+                assert self.lean is not None  # checked
+                if sess.model is None:
+                    sess.model = DraftModelSession(self.lean)
+                jobs.append(DraftJob(sess.model, sess.committed, it.k, it.sampling,
+                                     it.sampling.seed or 0))
+                slots.append(i)
+        if jobs:
+            assert self.lean is not None
+            for i, (drafts, q, record) in zip(slots, propose_batch(self.lean, jobs),
+                                              strict=True):
+                outcomes[i] = ProposeOutcome(drafts, q, repair=record)
         self._evict(served)
-        return outcomes
+        return outcomes  # type: ignore[return-value]  # every slot is filled
+
+    def _admit(self, it: ProposeItem, served: set[str]) -> _Session | None:
+        """The item's session with its committed tokens updated; None on a cache miss."""
+        sess = self._sessions.get(it.session_id)
+        if it.tokens_start > 0 and (sess is None or len(sess.committed) < it.tokens_start):
+            self.misses += 1
+            return None
+        if sess is None:
+            sess = self._sessions[it.session_id] = _Session([])
+        sess.committed = [*sess.committed[: it.tokens_start], *it.tokens]
+        self._sessions.move_to_end(it.session_id)
+        served.add(it.session_id)
+        self.proposals += 1
+        return sess

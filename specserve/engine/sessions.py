@@ -3,11 +3,18 @@
 Both repair themselves by content: each call passes the committed tokens, the session keeps
 the longest agreeing prefix of its cache (``repair_plan``) and feeds the rest. So a normal
 round feeds 1-2 tokens, and a retry, an eviction or a fresh replica converges the same way.
+
+``propose_batch`` drafts for several drafter sessions at once: step 0 feeds every row its
+repair (``committed[keep:]``), then each draft step feeds every row that still needs drafts
+its previous draft, one ``LeanLlama.forward_batch`` per step. A sampled row's logits are
+bitwise those it gets alone (``exact`` rows) and it draws with its own seed, position and
+settings, so its drafts and q do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,32 +46,71 @@ class DraftModelSession:
     def nbytes(self) -> int:
         return self.cache.nbytes
 
-    def propose(
-        self, committed: Sequence[int], k: int, sampling: SamplingParams, seed: int
-    ) -> tuple[list[int], torch.Tensor | None, RepairRecord]:
-        """k draft tokens and q [k, V] (None when greedy: q is one-hot on the drafts)."""
+    def repair(self, committed: Sequence[int]) -> RepairRecord:
+        """Crop the cache to its longest prefix agreeing with ``committed``."""
         plan = repair_plan(self.tokens, committed)
         record = RepairRecord(len(self.tokens), plan.keep, len(committed) - plan.keep)
         self.cache.crop(plan.keep)
         self.tokens = list(committed[: plan.keep])
-        if k == 0:
-            return [], None, record
-        k = min(k, self.lean.max_len - len(committed))
-        logits = self.lean.forward(self.cache, torch.tensor(committed[plan.keep :]))[-1:]
-        self.tokens = list(committed)
-        temps, tks, tps = _sampling_tensors(sampling)
-        seeds = np.array([seed], dtype=np.uint64)
-        drafts: list[int] = []
-        qs: list[torch.Tensor] = []
-        for j in range(k):
-            if sampling.greedy:
-                d = int(logits[0].argmax())
-            else:
-                q = probs_from_logits(logits, temps, tks, tps)  # [1, V]
-                d = int(sample_tokens(q, seeds, rng.DRAFT, np.array([len(committed) + j]))[0])
-                qs.append(q[0])
-            drafts.append(d)
-            if j < k - 1:
-                logits = self.lean.forward(self.cache, torch.tensor([d]))
-                self.tokens.append(d)
-        return drafts, (torch.stack(qs) if qs else None), record
+        return record
+
+    def propose(
+        self, committed: Sequence[int], k: int, sampling: SamplingParams, seed: int
+    ) -> tuple[list[int], torch.Tensor | None, RepairRecord]:
+        """k draft tokens and q [k, V] (None when greedy: q is one-hot on the drafts)."""
+        return propose_batch(self.lean, [DraftJob(self, committed, k, sampling, seed)])[0]
+
+
+@dataclass
+class DraftJob:
+    session: DraftModelSession
+    committed: Sequence[int]
+    k: int
+    sampling: SamplingParams
+    seed: int
+
+
+def propose_batch(
+    lean: LeanLlama, jobs: Sequence[DraftJob]
+) -> list[tuple[list[int], torch.Tensor | None, RepairRecord]]:
+    """Each job's drafts, q and repair, as ``DraftModelSession.propose`` one by one would
+    give them; one batched forward per draft step. Sessions must be distinct."""
+    records = [job.session.repair(job.committed) for job in jobs]
+    # k = 0: repair only; k > 0: feed the repair, draft at most up to the context
+    ks = [min(j.k, lean.max_len - len(j.committed)) if j.k > 0 else 0 for j in jobs]
+    drafts: list[list[int]] = [[] for _ in jobs]
+    qs: list[list[torch.Tensor]] = [[] for _ in jobs]
+    rows = [i for i, job in enumerate(jobs) if job.k > 0]
+    feeds = [list(jobs[i].committed[records[i].kept :]) for i in rows]
+    while rows:
+        logits = lean.forward_batch(
+            [jobs[i].session.cache for i in rows], feeds,
+            exact=[not jobs[i].sampling.greedy for i in rows], last_only=True)  # [R, V]
+        for i, fed in zip(rows, feeds, strict=True):
+            jobs[i].session.tokens.extend(fed)
+        _pick(jobs, rows, logits, ks, drafts, qs)
+        rows = [i for i in rows if len(drafts[i]) < ks[i]]
+        feeds = [[drafts[i][-1]] for i in rows]
+    return [(drafts[i], torch.stack(qs[i]) if qs[i] else None, records[i])
+            for i in range(len(jobs))]
+
+
+def _pick(jobs: Sequence[DraftJob], rows: list[int], logits: torch.Tensor, ks: list[int],
+          drafts: list[list[int]], qs: list[list[torch.Tensor]]) -> None:
+    """Each row's next draft: greedy rows by one argmax, sampled rows each with its own
+    settings and its counter-based draw at position ``committed_len + j``."""
+    want = [r for r, i in enumerate(rows) if len(drafts[i]) < ks[i]]
+    greedy = [r for r in want if jobs[rows[r]].sampling.greedy]
+    if greedy:
+        for r, d in zip(greedy, logits[greedy].argmax(-1).tolist(), strict=True):
+            drafts[rows[r]].append(int(d))
+    for r in want:
+        i = rows[r]
+        job = jobs[i]
+        if job.sampling.greedy:
+            continue
+        q = probs_from_logits(logits[r : r + 1], *_sampling_tensors(job.sampling))  # [1, V]
+        position = np.array([len(job.committed) + len(drafts[i])])
+        seeds = np.array([job.seed], dtype=np.uint64)
+        drafts[i].append(int(sample_tokens(q, seeds, rng.DRAFT, position)[0]))
+        qs[i].append(q[0])
