@@ -198,6 +198,9 @@ class LeanLlama:
             if c.length + t > self.max_len:
                 raise ValueError(f"sequence of {c.length + t} tokens exceeds the context "
                                  f"({self.max_len})")
+        if n == 1:  # one sequence: ``forward`` (bitwise what an exact row gets in a batch)
+            logits = self.forward(caches[0], torch.as_tensor(tokens[0], dtype=torch.long))
+            return logits[-1:] if last_only else logits[None]
         order, groups, n_shared = _pack(lens, exact if exact is not None else [False] * n)
         rows, at = [], 0
         for j, r in enumerate(order):
