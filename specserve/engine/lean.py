@@ -9,10 +9,12 @@ sampled from is computed from these logits, so q is exact whatever the tolerance
 
 ``forward_batch`` feeds several sequences (each its own ``LeanCache``, its own length and
 number of fed tokens) in one pass: the rows' tokens are packed one after another (no
-padding), every linear/MLP matmul runs once for the batch, and attention loops over the
-rows, each against its own cache with its own causal mask (one SDPA call per row and layer:
-gathering the caches into a padded tensor copies the whole context every step, which costs
-more than the loop at the drafter's sizes). Rows marked ``exact`` (sampled drafts) get
+padding), every linear/MLP matmul runs once for the batch, and attention is one SDPA call
+per row and layer, against the row's own cache with its own causal mask, except for the
+non-exact 1-token rows at contexts up to ``GATHER_MAX_CONTEXT``: they attend in one call over
+their caches gathered into a padded, masked tensor (measured faster there; the gather copies
+the whole context, so longer contexts loop). A single row is plain ``forward``. Rows marked
+``exact`` (sampled drafts) get
 logits bitwise independent of the batch: a matmul's reduction order changes with its number
 of rows, so their single-token rows go through one ``bmm`` with a row per batch entry
 (bitwise the 1-row matmul, whatever the batch) and their multi-token rows through their own
