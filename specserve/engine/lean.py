@@ -13,12 +13,13 @@ padding), every linear/MLP matmul runs once for the batch, and attention is one 
 per row and layer, against the row's own cache with its own causal mask, except for the
 non-exact 1-token rows at contexts up to ``GATHER_MAX_CONTEXT``: they attend in one call over
 their caches gathered into a padded, masked tensor (measured faster there; the gather copies
-the whole context, so longer contexts loop). A single row is plain ``forward``. Rows marked
-``exact`` (sampled drafts) get
-logits bitwise independent of the batch: a matmul's reduction order changes with its number
-of rows, so their single-token rows go through one ``bmm`` with a row per batch entry
-(bitwise the 1-row matmul, whatever the batch) and their multi-token rows through their own
-matmul; the other rows (greedy: argmax needs no last bits) share one matmul.
+the whole context, so longer contexts loop). A single row is plain ``forward``.
+
+Rows marked ``exact`` (sampled drafts) get logits bitwise independent of the batch: a
+matmul's reduction order changes with its number of rows, so their single-token rows go
+through one ``bmm`` with a row per batch entry (bitwise the 1-row matmul, whatever the
+batch) and their multi-token rows through their own matmul; the other rows (greedy: argmax
+needs no last bits) share one matmul.
 """
 
 from __future__ import annotations
