@@ -134,9 +134,12 @@ class TargetDeployment:
         return True
 
     async def stats(self) -> dict:  # on the event loop: no race with the batcher's state
-        m = self.servicer.metrics
+        m, sch = self.servicer.metrics, self.servicer.scheduler
         return {"replica": self.replica, "batches": m.batches, "rows": m.rows,
                 "max_batch": m.max_batch, "overloaded": self.servicer.overloaded,
+                "compute_s": m.compute_s, "pid": os.getpid(),
+                "turnaround_p90_ms": round(sch.turnaround_p90_s * 1e3, 3),
+                "step_waits": sch.waits, "step_timeouts": sch.timeouts,
                 "held_sessions": len(self.servicer.sessions),
                 "released": dict(self.servicer.sessions.released), **self.engine.stats()}
 
@@ -167,7 +170,8 @@ class DrafterDeployment:
         sec = cfg.security
         self.server, port, self.servicer = await start_drafter_server(
             self.engine, host, 0, self.replica, secret=sec.data_plane_secret,
-            max_message_bytes=sec.max_internal_message_bytes, idle_s=cfg.drafter.session_idle_s)
+            max_message_bytes=sec.max_internal_message_bytes, idle_s=cfg.drafter.session_idle_s,
+            max_batch=cfg.drafter.max_batch, batch_wait_s=cfg.drafter.batch_wait_ms / 1000)
         self.address = f"{host}:{port}"
 
     async def session(self, session_id: str):
@@ -175,7 +179,9 @@ class DrafterDeployment:
             yield address
 
     async def stats(self) -> dict:
-        return {"replica": self.replica, "proposals": self.servicer.proposals,
+        sv = self.servicer
+        return {"replica": self.replica, "proposals": sv.proposals, "batches": sv.batches,
+                "rows": sv.rows, "pid": os.getpid(),
                 "held_sessions": len(self.servicer.sessions),
                 "released": dict(self.servicer.sessions.released), **self.engine.stats()}
 

@@ -100,6 +100,11 @@ _THREADS = ("intra-op torch threads per replica (1 on shared CPUs: oversubscribe
             "threads are 10x slower)")
 
 
+_WAIT = ("longest wait (ms) of a step for the rows of sessions whose replies are out (it "
+         "starts as soon as they are all in, at once when none is out; never longer than one "
+         "step's compute)")
+
+
 class DrafterOptions(BaseModel):
     """The Drafter deployment: draft-model and prompt-lookup proposals."""
 
@@ -107,6 +112,8 @@ class DrafterOptions(BaseModel):
 
     scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.3))
     cache_bytes: int = Field(256 << 20, ge=1 << 16, description="KV budget per replica (LRU)")
+    max_batch: int = Field(64, ge=1, le=512, description="proposals per drafter step")
+    batch_wait_ms: float = Field(50.0, ge=0, le=100, description=_WAIT)
     torch_threads: int = Field(1, ge=1, le=256, description=_THREADS)
     session_idle_s: float = Field(10.0, gt=0, le=3600, description="a session no stream has "
                                   "used this long is released (a router that died, a client "
@@ -121,7 +128,7 @@ class TargetOptions(BaseModel):
     scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.5))
     cache_bytes: int = Field(512 << 20, ge=1 << 16, description="KV budget per replica (LRU)")
     max_batch: int = Field(32, ge=1, le=512, description="rows per target forward")
-    batch_wait_ms: float = Field(2.0, ge=0, le=100, description="wait for more rows")
+    batch_wait_ms: float = Field(50.0, ge=0, le=100, description=_WAIT)
     torch_threads: int = Field(1, ge=1, le=256, description=_THREADS)
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per target "
                          "replica (one placement group of tp_size bundles, STRICT_PACK, each "

@@ -50,6 +50,12 @@ class LocalService:
 
         return serve.get_deployment_handle("Router", APP_NAME).stats.remote().result()
 
+    def deployment_stats(self, name: str) -> dict:
+        """A Target or Drafter replica's counters (batches, rows, compute, pid, engine)."""
+        from ray import serve
+
+        return serve.get_deployment_handle(name, APP_NAME).stats.remote().result()
+
     def reset_router_stats(self) -> None:
         from ray import serve
 

@@ -2,8 +2,9 @@
 
 Every Propose message from every open stream is checked on its own (a bad item is answered
 with its error and never joins a batch), then goes into one queue; the batcher takes what
-is there (waiting up to ``batch_wait_s`` for more while other active sessions are expected)
-and runs one ``DrafterEngine.propose`` over all of them in a worker thread, so concurrent
+is there plus every row the scheduler expects (``specserve.service.scheduler``, as the
+target's: sessions whose replies are out; ``batch_wait_s`` and one step bound the wait) and
+runs one ``DrafterEngine.propose`` over all of them in a worker thread, so concurrent
 sessions share each draft step's forward (``sessions.propose_batch``). A session that is
 twice in the queue is served in order, in consecutive engine calls. ``batches`` / ``rows``
 count the engine calls and the items they served (mean drafter batch = rows / batches).
@@ -16,7 +17,6 @@ ending, or after ``idle_s`` unused.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -31,6 +31,7 @@ from specserve.engine.drafter import DrafterEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
 from specserve.service.peers import SessionTracker
+from specserve.service.scheduler import StepScheduler, gather
 from specserve.service.wire import propose_item_from_proto, propose_outcome_to_proto
 
 log = logging.getLogger(__name__)
@@ -39,20 +40,23 @@ _Job = tuple[ProposeItem, "asyncio.Future[tuple[ProposeOutcome, int]]"]  # an it
 
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, engine: DrafterEngine, replica: str, idle_s: float = 10.0,
-                 max_batch: int = 64, batch_wait_s: float = 0.001):
+                 max_batch: int = 64, batch_wait_s: float = 0.05):
         self.engine = engine
         self.replica = replica
         self.proposals = 0
         self.max_batch = max_batch
-        self.batch_wait_s = batch_wait_s
+        self.scheduler = StepScheduler(max_wait_s=batch_wait_s)
         self.batches = 0  # engine calls
         self.rows = 0  # items they served
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self._active: dict[str, float] = {}  # session -> last seen (for the batching wait)
         self._batcher: asyncio.Task | None = None
-        self.sessions = SessionTracker(engine.release, idle_s)
+        self.sessions = SessionTracker(self._release, idle_s)
         self._streams = itertools.count(1)
         self._reaper: asyncio.Task | None = None
+
+    def _release(self, session_id: str) -> None:
+        self.engine.release(session_id)
+        self.scheduler.released(session_id)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -99,7 +103,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 self._batcher = asyncio.get_running_loop().create_task(self._run())
             answer: asyncio.Future[tuple[ProposeOutcome, int]] = (
                 asyncio.get_running_loop().create_future())
-            self._active[item.session_id] = time.monotonic()
+            self.scheduler.arrived(item.session_id, time.monotonic())
             await self._queue.put((item, answer))
             o, compute_us = await answer
         except Exception as e:
@@ -108,31 +112,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.proposals += 1
         return propose_outcome_to_proto(o, msg.call_id, self.replica, compute_us)
 
-    def _expected_rows(self) -> int:
-        now = time.monotonic()
-        for sid in [s for s, t in self._active.items() if now - t > 1.0]:
-            del self._active[sid]
-        return len(self._active)
-
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            batch = [await self._queue.get()]
-            deadline = loop.time() + self.batch_wait_s
-            # Wait briefly for the other active sessions' proposals to arrive.
-            while len(batch) < min(self.max_batch, self._expected_rows()):
-                try:
-                    batch.append(self._queue.get_nowait())
-                    continue
-                except asyncio.QueueEmpty:
-                    pass
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
-            while len(batch) < self.max_batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            batch = await gather(self._queue, self.scheduler, self.max_batch)
             while batch:  # a session twice in the queue: its calls in order, one per engine call
                 now: list[_Job] = []
                 later: list[_Job] = []
@@ -154,6 +136,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 self.sessions.busy = False
                 self.sessions.apply()
             compute_us = int((time.perf_counter() - t0) * 1e6)
+            self.scheduler.stepped(compute_us / 1e6)
             self.batches += 1
             self.rows += len(jobs)
         except Exception as e:  # a failed call answers its items, never ends the batcher
@@ -161,9 +144,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if not answer.done():
                     answer.set_exception(e)
             return
-        for (_, answer), o in zip(jobs, outcomes, strict=True):
+        now = time.monotonic()
+        for (item, answer), o in zip(jobs, outcomes, strict=True):
             if not answer.done():  # its stream may be gone
                 answer.set_result((o, compute_us))
+                self.scheduler.replied(item.session_id, now)
 
     async def Propose(self, request_iterator, context):
         replies: asyncio.Queue = asyncio.Queue()
@@ -178,7 +163,6 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             async for msg in request_iterator:
                 if msg.release:
                     self.sessions.release(msg.session_id)
-                    self._active.pop(msg.session_id, None)
                     continue
                 self.sessions.touch(msg.session_id, stream)
                 t = loop.create_task(handle(msg))
@@ -199,7 +183,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
                                replica: str = "drafter", secret: str | None = None,
                                max_message_bytes: int = 32 << 20, idle_s: float = 10.0,
-                               max_batch: int = 64, batch_wait_s: float = 0.001):
+                               max_batch: int = 64, batch_wait_s: float = 0.05):
     server = grpc.aio.server(
         interceptors=[PeerAuthInterceptor(secret)] if secret else None,
         options=[("grpc.max_receive_message_length", max_message_bytes),

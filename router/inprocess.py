@@ -43,16 +43,17 @@ class InProcessService:
     async def close(self) -> None:
         for pool in self._pools:
             await pool.close()
-        task = self.target_servicer._batcher
-        if task is not None:
-            task.cancel()
+        for servicer in (self.target_servicer, self.drafter_servicer):
+            for task in (servicer._batcher, servicer._reaper):
+                if task is not None:
+                    task.cancel()
         await asyncio.gather(*(s.stop(None) for s in self._servers))
 
 
 async def start_inprocess(pair: ModelPair, lean: LeanLlama | None = None, *,
                           target_cache_bytes: int = 512 << 20,
                           drafter_cache_bytes: int = 256 << 20,
-                          batch_wait_s: float = 0.002) -> InProcessService:
+                          batch_wait_s: float = 0.05) -> InProcessService:
     """Start a drafter and a target gRPC server on 127.0.0.1 and a router over them."""
     if lean is None and pair.drafter is not None:
         from specserve.engine.lean import LeanLlama
@@ -60,7 +61,8 @@ async def start_inprocess(pair: ModelPair, lean: LeanLlama | None = None, *,
         lean = LeanLlama(pair.drafter)
     drafter = DrafterEngine(lean, drafter_cache_bytes)
     target = TargetEngine(pair.target, target_cache_bytes)
-    dserver, dport, dservicer = await start_drafter_server(drafter, replica="drafter-0")
+    dserver, dport, dservicer = await start_drafter_server(drafter, replica="drafter-0",
+                                                           batch_wait_s=batch_wait_s)
     tserver, tport, tservicer = await start_target_server(target, replica="target-0",
                                                           batch_wait_s=batch_wait_s)
     dpool = StaticPool("drafter", [f"127.0.0.1:{dport}"])

@@ -58,7 +58,7 @@ from specserve.observers import MetricsObserver, RoundTiming, TracingObserver
 from specserve.policy import CostModel, GoodputPolicy, policy_for
 from specserve.resume import CALLER_ANONYMOUS, ResumePoint, derive_seed, request_digest
 from specserve.resume import tokens_digest as held_digest
-from specserve.rounds import Observer, Observers, RequestState, speculate
+from specserve.rounds import Observer, Observers, RequestState, run_ahead, speculate
 from specserve.service import wire
 
 if TYPE_CHECKING:
@@ -67,6 +67,9 @@ if TYPE_CHECKING:
     from specserve.service.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
+# Rounds a request's loop may run ahead of its journal writes and stream (a bounded queue:
+# a slow client still stops its generation).
+_RUN_AHEAD = 4
 
 
 class LeasePool(Protocol):
@@ -294,7 +297,8 @@ class Router:
             verifier = await self._verifier(state)
             priors = await self.priors.read(self.revisions) if state.spec == "auto" else None
             policy = policy_for(state, self.cost, self.drafters is not None, priors)
-            async for o in speculate(state, proposer, verifier, policy, observer, detok):
+            rounds = speculate(state, proposer, verifier, policy, observer, detok)
+            async for o in run_ahead(rounds, _RUN_AHEAD):  # next round || journal+stream
                 await self.journal.append(entry, list(o.tokens), o.finish)  # before streaming
                 if entry is not None and entry.cancelled:
                     raise Cancelled("cancelled by the caller")

@@ -414,3 +414,33 @@ def iterate_sync(agen: AsyncIterator[T]) -> Iterator[T]:
     finally:
         loop.run_until_complete(agen.aclose())
         loop.close()
+
+
+async def run_ahead(source: AsyncIterator[T], depth: int) -> AsyncIterator[T]:
+    """Iterate ``source`` in its own task, up to ``depth`` items ahead of the consumer: the
+    next round runs while the consumer journals and streams this one (the journal still
+    precedes the stream of every token, in the consumer). An error of the source is raised
+    here, in order; closing this iterator cancels the source."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=depth)
+    done = object()
+
+    async def produce() -> None:
+        try:
+            async for item in source:
+                await queue.put((item, None))
+            await queue.put((done, None))
+        except Exception as e:  # handed to the consumer (cancellation is not)
+            await queue.put((done, e))
+
+    task = asyncio.get_running_loop().create_task(produce())
+    try:
+        while True:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:  # the source's own cleanup (releases, spans) runs before the caller's
+        task.cancel()
+        await asyncio.wait({task})

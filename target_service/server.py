@@ -1,9 +1,10 @@
 """The target replica's gRPC server: a bidi ``Verify`` stream per router, one batcher.
 
-Every Verify message from every open stream goes into one queue; the batcher takes what is
-there (waiting up to ``batch_wait_s`` for more when other sessions are active) and runs one
+Every Verify message from every open stream goes into one queue; the batcher starts a step
+when every row it expects is in (``specserve.service.scheduler``: the sessions whose replies
+are out come back one turnaround later; ``batch_wait_s`` bounds the wait) and runs one
 ``TargetEngine.verify`` over all of them in a worker thread, so concurrent requests share a
-forward pass.
+forward pass: full batches under load, no wait at concurrency 1.
 
 Bounded and private: the queue holds at most ``max_queue`` rows (beyond it a row is answered
 ``overloaded: ...`` at once, RESOURCE_EXHAUSTED for its request); with a ``secret`` every
@@ -15,7 +16,6 @@ used them ends (a router that died) or after ``idle_s`` unused (``SessionTracker
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -30,6 +30,7 @@ from specserve.engine.target import TargetEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
 from specserve.service.peers import SessionTracker
+from specserve.service.scheduler import StepScheduler, gather
 from specserve.service.wire import verify_item_from_proto, verify_outcome_to_proto
 
 if TYPE_CHECKING:
@@ -46,10 +47,12 @@ class TargetMetrics:
     batches: int = 0
     rows: int = 0
     max_batch: int = 0
+    compute_s: float = 0.0  # the engine's time in verify calls
     batch_sizes: list[int] = field(default_factory=list)
 
-    def observe(self, n: int) -> None:
+    def observe(self, n: int, compute_s: float) -> None:
         self.batches += 1
+        self.compute_s += compute_s
         self.rows += n
         self.max_batch = max(self.max_batch, n)
         self.batch_sizes.append(n)
@@ -58,19 +61,18 @@ class TargetMetrics:
 
 class TargetServicer(pb_grpc.TargetServicer):
     def __init__(self, engine: TargetEngine, replica: str, max_batch: int = 32,
-                 batch_wait_s: float = 0.002, prometheus: TargetBatchMetrics | None = None,
+                 batch_wait_s: float = 0.05, prometheus: TargetBatchMetrics | None = None,
                  max_queue: int = 1024, idle_s: float = 10.0):
         self.engine = engine
         self.replica = replica
         self.max_batch = max_batch
-        self.batch_wait_s = batch_wait_s
+        self.scheduler = StepScheduler(max_wait_s=batch_wait_s)
         self.metrics = TargetMetrics()
         self.prometheus = prometheus  # Ray metrics (Serve deployment only)
         self._queue: asyncio.Queue[_Row] = asyncio.Queue(maxsize=max_queue)
-        self._active: dict[str, float] = {}  # session -> last seen (for the batching wait)
         self._batcher: asyncio.Task | None = None
         self._reaper: asyncio.Task | None = None
-        self.sessions = SessionTracker(engine.release, idle_s)
+        self.sessions = SessionTracker(self._release, idle_s)
         self.overloaded = 0  # rows refused because the queue was full
         self._streams = itertools.count(1)
 
@@ -84,11 +86,14 @@ class TargetServicer(pb_grpc.TargetServicer):
             await asyncio.sleep(min(1.0, self.sessions.idle_s / 4))
             self.sessions.reap()
 
+    def _release(self, session_id: str) -> None:
+        self.engine.release(session_id)
+        self.scheduler.released(session_id)
+
     def _admit(self, msg: pb.VerifyRequest, replies: asyncio.Queue, stream: int) -> bool:
         """Release messages and the queue bound; True when ``msg`` is a row to verify."""
         if msg.release:
             self.sessions.release(msg.session_id)
-            self._active.pop(msg.session_id, None)
             return False
         self.sessions.touch(msg.session_id, stream)
         if self._queue.full():
@@ -97,7 +102,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                 call_id=msg.call_id, replica=self.replica,
                 error=f"overloaded: target queue full ({self._queue.maxsize} rows)"))
             return False
-        self._active[msg.session_id] = time.monotonic()
+        self.scheduler.arrived(msg.session_id, time.monotonic())
         return True
 
     async def Verify(self, request_iterator, context):
@@ -127,32 +132,9 @@ class TargetServicer(pb_grpc.TargetServicer):
             reader.cancel()
             self.sessions.stream_closed(stream)  # its router is gone: free its sessions
 
-    def _expected_rows(self) -> int:
-        now = time.monotonic()
-        for sid in [s for s, t in self._active.items() if now - t > 1.0]:
-            del self._active[sid]
-        return len(self._active)
-
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            batch = [await self._queue.get()]
-            deadline = loop.time() + self.batch_wait_s
-            # Wait briefly for the other active sessions' rounds to arrive.
-            while len(batch) < min(self.max_batch, self._expected_rows()):
-                try:
-                    batch.append(self._queue.get_nowait())
-                    continue
-                except asyncio.QueueEmpty:
-                    pass
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
-            while len(batch) < self.max_batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            await self._serve(batch)
+            await self._serve(await gather(self._queue, self.scheduler, self.max_batch))
 
     async def _serve(self, batch: list[_Row]) -> None:
         items, errors = [], {}
@@ -175,8 +157,9 @@ class TargetServicer(pb_grpc.TargetServicer):
                     self.sessions.busy = False
                     self.sessions.apply()
                 compute_us = int((time.perf_counter() - t0) * 1e6)
+                self.scheduler.stepped(compute_us / 1e6)
                 outcomes = dict(zip(good, results, strict=True))
-                self.metrics.observe(len(items))
+                self.metrics.observe(len(items), compute_us / 1e6)
                 if fspan is not None and fspan.is_recording():
                     fspan.set_attributes({  # rows in the forward (cache misses skip it)
                         "specserve.batch_size": max(o.batch_size for o in results),
@@ -203,6 +186,8 @@ class TargetServicer(pb_grpc.TargetServicer):
                                                 compute_us)
             if span is not None:
                 _end_row_span(span, msg, reply)
+            if not reply.error:
+                self.scheduler.replied(msg.session_id, time.monotonic())
             await replies.put(reply)
 
 

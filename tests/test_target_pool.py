@@ -47,7 +47,7 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair):
         live = list(seqs)
         if step % 2 == 0 or not live:  # a new session (a prefill beside 1-token rows)
             sid = f"s{step}"
-            seqs[sid] = [rnd.randrange(1, vocab) for _ in range(rnd.randrange(3, 40))]
+            seqs[sid] = [rnd.randrange(1, vocab) for _ in range(rnd.randrange(3, 90))]
             windows[sid] = 0
         if step % 7 == 6:  # a released session frees its slot for the next one
             gone = live[rnd.randrange(len(live))]

@@ -46,6 +46,7 @@ from specserve.service.lru import LRUSessions
 # Tokens per session recorded in the byte accounting beside the KV (a Python int list).
 _TOKEN_BYTES = 8
 _MIN_CAPACITY = 64
+_SHORT_FEED = 8  # feeds this short always share a forward (a round's k + 1 tokens)
 
 
 class UnsupportedTargetError(ValueError):
@@ -285,14 +286,14 @@ class TargetEngine(LRUSessions):
         return [o for o in outcomes if o is not None]
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
-        """All rows' logits: one padded forward; with ``batch_invariant``, every sampled row
-        is its own forward (its random draws compare against bitwise the same p whatever
-        else is in the batch) and the greedy rows share one (argmax needs no last bits)."""
-        sampled = [i for i, r in enumerate(rows) if not r.item.sampling.greedy]
-        if not self.batch_invariant or len(rows) == 1 or not sampled:
+        """All rows' logits, in as few forwards as pay: rows are padded to the longest feed
+        of their forward, so a prefill (or a long repair) runs beside rows of similar length
+        only (``_groups``); with ``batch_invariant`` every sampled row is its own forward (its
+        random draws compare against bitwise the same p whatever else is in the batch) and
+        the greedy rows share (argmax needs no last bits)."""
+        groups = self._groups(rows)
+        if len(groups) == 1:
             return self._forward_batch(rows)
-        greedy = [i for i in range(len(rows)) if i not in set(sampled)]
-        groups = [[i] for i in sampled] + ([greedy] if greedy else [])
         k_max = max(len(r.item.draft_tokens) for r in rows)
         out: list[torch.Tensor | None] = [None] * len(rows)
         for group in groups:
@@ -302,6 +303,24 @@ class TargetEngine(LRUSessions):
         self.forward_batches -= len(groups) - 1  # one verify batch, however computed
         self.max_batch_size_seen = max(self.max_batch_size_seen, len(rows))
         return torch.stack(out)
+
+    def _groups(self, rows: list[_Row]) -> list[list[int]]:
+        """Row indices per forward: sampled rows alone (``batch_invariant``); the others by
+        feed length, a new forward where a row's feed is over twice the shortest of the
+        current one (and over ``_SHORT_FEED``), so padding never more than doubles work."""
+        alone = [i for i, r in enumerate(rows)
+                 if self.batch_invariant and not r.item.sampling.greedy and len(rows) > 1]
+        rest = sorted((i for i in range(len(rows)) if i not in set(alone)),
+                      key=lambda i: len(rows[i].feed))
+        groups = [[i] for i in alone]
+        for i in rest:
+            n = len(rows[i].feed)
+            if groups[len(alone):] and (n <= _SHORT_FEED
+                                        or n <= 2 * len(rows[groups[-1][0]].feed)):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return groups
 
     def _forward_batch(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
         b = len(rows)
