@@ -256,7 +256,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = run_service_bench(
             args.server or local_service_starter(), args.target, args.drafter, conc,
             _int_list("--ks", args.ks) if args.ks else [2, 4], args.max_tokens,
-            Path(args.out), requests_per_level=args.prompts)
+            Path(args.out), requests_per_level=args.prompts,
+            only=args.configs.split(",") if args.configs else None)
         print(json.dumps(summarize(report), indent=1), file=out)
         return 0
     from specserve.bench.single import run_single_process_bench
@@ -327,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", default=None,
                        help="closed-loop concurrency levels (default: 1,4,16 for --service; "
                             "1,2,4,8,16,32 for --suite)")
+    bench.add_argument("--configs", help="--service/--server: comma-separated configurations "
+                       "to run besides spec-off (off, draft_k<K>, ngram_k4, auto; default all)")
     bench.add_argument("--suite", action="store_true",
                        help="the adoption benchmark: workload classes x concurrency x configs "
                             "+ HF/naive/engine baselines; report.json, outputs.jsonl, "

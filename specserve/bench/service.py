@@ -6,6 +6,15 @@ tokens per round, and the per-round time split (propose / verify / orchestration
 At concurrency 1 the single-process engine runs the same prompts in the same run, so the
 service's speedup can be compared with the engine's. Greedy outputs of every configuration
 are compared with spec-off automatically.
+
+With a service the bench started itself, each row also reports the replicas' side
+(``replicas``): the target's mean batch rows, its mean forward time per batch and the
+fraction of the wall time it computed, the drafter's mean batch, and the CPU cores each
+process of the machine used (target, router, proxy, drafter, client, Ray). And every
+level's configurations run again in process, the same engines over the same requests
+``concurrency`` at a time in lock-step (``engine.lockstep``: every live request in every
+step, no transport), after the service stopped, with the target replica's torch threads:
+``fraction_of_inprocess`` is the service's aggregate rate over that one.
 """
 
 from __future__ import annotations
@@ -117,6 +126,94 @@ def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_re
     }
 
 
+_ROLES = (("Target", "target"), ("Drafter", "drafter"), ("Router", "router"),
+          ("ProxyActor", "proxy"), ("ServeController", "controller"), ("redis", "redis"),
+          ("raylet", "ray"), ("gcs_server", "ray"), ("ray::", "ray"))
+
+
+def _process_cpu() -> dict[str, float]:
+    """CPU seconds used so far by every process of this machine, by role (Ray's process
+    titles name the replicas); this process is the client."""
+    import os
+
+    import psutil
+
+    out: dict[str, float] = {}
+    for p in psutil.process_iter(["cmdline", "cpu_times"]):
+        try:
+            cmd, t = " ".join(p.info["cmdline"] or []), p.info["cpu_times"]
+        except (psutil.Error, TypeError):
+            continue
+        if t is None:
+            continue
+        role = "client" if p.pid == os.getpid() else next(
+            (r for key, r in _ROLES if key in cmd), "other")
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
+def _replica_side(service: Any, run: Callable[[], dict]) -> dict:
+    """``run()``'s row plus what the replicas did meanwhile (counters' differences)."""
+    t0, d0, c0, w0 = (service.deployment_stats("Target"), service.deployment_stats("Drafter"),
+                      _process_cpu(), time.perf_counter())
+    row = run()
+    t1, d1, c1 = (service.deployment_stats("Target"), service.deployment_stats("Drafter"),
+                  _process_cpu())
+    wall = time.perf_counter() - w0
+    batches = max(1, t1["batches"] - t0["batches"])
+    compute = t1["compute_s"] - t0["compute_s"]
+    row["replicas"] = {
+        "target_mean_batch_rows": round((t1["rows"] - t0["rows"]) / batches, 2),
+        "target_forward_ms_mean": round(1000 * compute / batches, 2),
+        "target_busy_fraction": round(compute / wall, 3),
+        "target_step_waits": t1["step_waits"] - t0["step_waits"],
+        "target_step_timeouts": t1["step_timeouts"] - t0["step_timeouts"],
+        "turnaround_p90_ms": t1["turnaround_p90_ms"],
+        "drafter_mean_batch_rows": round(
+            (d1["rows"] - d0["rows"]) / max(1, d1["batches"] - d0["batches"]), 2),
+        "cpu_cores": {k: round((c1[k] - c0.get(k, 0.0)) / wall, 3) for k in sorted(c1)
+                      if c1[k] - c0.get(k, 0.0) > 0.005 * wall},
+    }
+    return row
+
+
+def _inprocess(target: str, drafter: str, prompts: list[str], concurrency: list[int],
+               configs: list[tuple[str, dict]], max_tokens: int, threads: int) -> dict:
+    """Aggregate tokens/s of the engines alone: per level, ``c`` requests at a time in
+    lock-step (each request's prompt, budget and settings as the service got them)."""
+    import torch
+
+    from specserve.api import GenerationRequest
+    from specserve.engine.drafter import DrafterEngine
+    from specserve.engine.lean import LeanLlama
+    from specserve.engine.lockstep import run_lockstep
+    from specserve.engine.target import TargetEngine
+    from specserve.models.load import load_pair
+
+    torch.set_num_threads(threads)
+    pair = load_pair(target, drafter)
+    ids = [pair.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    lean = LeanLlama(pair.drafter) if pair.drafter is not None else None
+    out: dict[str, dict] = {}
+    for c in concurrency:
+        n = len(prompts) if c > 1 else min(len(prompts), 4)
+        for name, cfg in configs:
+            tokens, seconds, rows, batches = 0, 0.0, 0, 0
+            for start in range(0, n, c):  # cohorts of c requests
+                engine = TargetEngine(pair.target, 2 << 30)
+                reqs = [GenerationRequest(prompt_ids=ids[j % len(ids)], max_tokens=max_tokens,
+                                          **cfg) for j in range(start, min(n, start + c))]
+                t0 = time.perf_counter()
+                states = run_lockstep(DrafterEngine(lean), engine, reqs, pair.eos_token_id)
+                seconds += time.perf_counter() - t0
+                tokens += sum(len(st.output) for st in states)
+                rows, batches = rows + engine.rows_verified, batches + engine.forward_batches
+            out.setdefault(str(c), {})[name] = {
+                "aggregate_tokens_per_s": round(tokens / seconds, 2),
+                "mean_batch_rows": round(rows / max(1, batches), 2)}
+    return out
+
+
 def _sum_lists(lists: list[list[int]]) -> list[int]:
     out: list[int] = []
     for lst in lists:
@@ -154,10 +251,12 @@ def _single_process(target: str, drafter: str, prompts: list[str], ks: list[int]
 def run_service_bench(
     server: str | Callable[..., Any], target: str, drafter: str, concurrency: list[int],
     ks: list[int], max_tokens: int, out_dir: Path, requests_per_level: int = 8,
-    ngram_k: int = 4,
+    ngram_k: int = 4, only: list[str] | None = None, inprocess: bool = True,
 ) -> dict:
     """``server``: HOST:PORT of a running service, or a function that starts one locally
-    (``start_local(config, port=...)``; its router's round split is then reported too)."""
+    (``start_local(config, port=...)``; its router's round split, the replicas' side and
+    the in-process reference are then reported too). ``only``: the configurations to run
+    (names as in the report: off, draft_k2, ngram_k4, auto); spec-off always runs."""
     service = None
     router_stats = None
     if callable(server):
@@ -169,6 +268,8 @@ def run_service_bench(
     configs += [(f"draft_k{k}", {"spec": "draft", "k": k}) for k in ks]
     configs.append((f"ngram_k{ngram_k}", {"spec": "ngram", "k": ngram_k}))
     configs.append(("auto", {"spec": "auto", "k": max([*ks, ngram_k])}))  # k: its K_max
+    if only:
+        configs = [(n, c) for n, c in configs if n == "off" or n in only]
     levels: dict[str, dict] = {}
     total = sum(max(requests_per_level, 2 * c) for c in concurrency) * len(configs)
     bar = tqdm(total=total, desc="service bench", unit="req")
@@ -181,7 +282,10 @@ def run_service_bench(
                 for name, cfg in configs:
                     if router_stats is not None:
                         reset()
-                    row = _level(client, prompts, cfg, c, n, max_tokens, bar)
+                    def run(cfg=cfg, c=c, n=n) -> dict:
+                        return _level(client, prompts, cfg, c, n, max_tokens, bar)
+
+                    row = run() if service is None else _replica_side(service, run)
                     if router_stats is not None:
                         rs = router_stats()
                         row["router_round_split"] = {
@@ -210,6 +314,14 @@ def run_service_bench(
     finally:
         if service is not None:
             service.stop()
+    if service is not None and inprocess:
+        ref = _inprocess(target, drafter, prompts[: max(requests_per_level, max(concurrency))],
+                         concurrency, configs, max_tokens, service.config.target.torch_threads)
+        for c, level in levels.items():
+            for name, row in level.items():
+                row["inprocess"] = ref[c][name]
+                row["fraction_of_inprocess"] = round(
+                    row["aggregate_tokens_per_s"] / ref[c][name]["aggregate_tokens_per_s"], 3)
     report = {
         "benchmark": "distributed service, closed loop, greedy, through the SDK",
         "server": server if service is None else "started by the bench (local Ray)",
