@@ -30,7 +30,7 @@ from specserve.contract import ProposeItem, ProposeOutcome
 from specserve.engine.drafter import DrafterEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
-from specserve.service.peers import SessionTracker
+from specserve.service.peers import SessionTracker, packed
 from specserve.service.scheduler import StepScheduler, gather
 from specserve.service.wire import propose_item_from_proto, propose_outcome_to_proto
 
@@ -160,21 +160,22 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await replies.put(await self._propose(msg))
 
         async def pump() -> None:
-            async for msg in request_iterator:
-                if msg.release:
-                    self.sessions.release(msg.session_id)
-                    continue
-                self.sessions.touch(msg.session_id, stream)
-                t = loop.create_task(handle(msg))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
+            async for batch in request_iterator:
+                for msg in batch.rows:
+                    if msg.release:
+                        self.sessions.release(msg.session_id)
+                        continue
+                    self.sessions.touch(msg.session_id, stream)
+                    t = loop.create_task(handle(msg))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
             await asyncio.gather(*tasks)
             await replies.put(None)
 
         reader = loop.create_task(pump())
         try:
-            while (reply := await replies.get()) is not None:
-                yield reply
+            async for message in packed(replies, lambda rs: pb.ProposeReplies(replies=rs)):
+                yield message
         finally:
             reader.cancel()
             self.sessions.stream_closed(stream)  # its router is gone: free its sessions

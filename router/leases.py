@@ -12,11 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.mux import StreamMux
+from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
 
+# per kind: the stream's method, how rows are packed into a message, how replies unpack
 OPENERS = {
-    "drafter": lambda ch: pb_grpc.DrafterStub(ch).Propose,
-    "target": lambda ch: pb_grpc.TargetStub(ch).Verify,
+    "drafter": (lambda ch: pb_grpc.DrafterStub(ch).Propose,
+                lambda rows: pb.ProposeBatch(rows=rows), lambda msg: msg.replies),
+    "target": (lambda ch: pb_grpc.TargetStub(ch).Verify,
+               lambda rows: pb.VerifyBatch(rows=rows), lambda msg: msg.replies),
 }
 
 
@@ -40,7 +44,8 @@ class _MuxCache:
     def mux(self, address: str) -> StreamMux:
         m = self._muxes.get(address)
         if m is None or m.broken is not None:
-            m = StreamMux(address, self._open, self._secret, self._max)
+            open_stream, pack, unpack = self._open
+            m = StreamMux(address, open_stream, self._secret, self._max, pack, unpack)
             self._muxes[address] = m
         return m
 

@@ -1,8 +1,11 @@
 """One long-lived bidirectional gRPC stream per replica, shared by every request.
 
-Each round is one message each way on an already open stream (measured ~0.5 ms p50 per hop
+Each round is one row each way on an already open stream (measured ~0.5 ms p50 per hop
 on loopback, vs ~1.8 ms for a unary call and ~2.5-3.9 ms through Serve handles), so the
-per-round orchestration cost stays small. Calls are paired with replies by ``call_id``.
+per-round orchestration cost stays small. Rows travel packed: one stream message carries
+every call queued at that moment (``pack``), and a replica answers a whole step in one
+message (``unpack``), so a step's replies resume their rounds together. Calls are paired
+with replies by ``call_id``.
 A broken stream fails its pending calls with ``StreamBroken``; the caller reconnects (to the
 same or another replica) and the receiver's cache repair makes the retry converge.
 """
@@ -31,10 +34,14 @@ class StreamBroken(ConnectionError):
 
 class StreamMux:
     def __init__(self, address: str, open_stream: Callable[[grpc.aio.Channel], Callable],
-                 secret: str | None = None, max_message_bytes: int = 32 << 20):
+                 secret: str | None = None, max_message_bytes: int = 32 << 20,
+                 pack: Callable[[list[Any]], Any] = list,
+                 unpack: Callable[[Any], Any] = lambda msg: msg):
         """``open_stream(channel)`` returns the stub's bidi method, e.g.
-        ``lambda ch: TargetStub(ch).Verify``; ``secret``: the data plane's shared secret,
-        sent with the stream (``specserve.auth.PEER_KEY``)."""
+        ``lambda ch: TargetStub(ch).Verify``; ``pack(rows)``: the stream message carrying
+        ``rows``, ``unpack(message)``: the replies one carries; ``secret``: the data plane's
+        shared secret, sent with the stream (``specserve.auth.PEER_KEY``)."""
+        self._pack, self._unpack = pack, unpack
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=[
             *CHANNEL_OPTIONS, ("grpc.max_receive_message_length", max_message_bytes),
@@ -49,17 +56,23 @@ class StreamMux:
 
     async def _outgoing(self) -> AsyncIterator[Any]:
         while True:
-            msg = await self._queue.get()
-            if msg is None:
+            rows = [await self._queue.get()]
+            while not self._queue.empty():
+                rows.append(self._queue.get_nowait())
+            end = None in rows
+            rows = [r for r in rows if r is not None]
+            if rows:
+                yield self._pack(rows)
+            if end:
                 return
-            yield msg
 
     async def _read(self) -> None:
         try:
-            async for reply in self._call:
-                fut = self._pending.pop(reply.call_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(reply)
+            async for msg in self._call:
+                for reply in self._unpack(msg):
+                    fut = self._pending.pop(reply.call_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(reply)
             err: BaseException = StreamBroken(f"stream to {self.address} ended")
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             err = StreamBroken(f"stream to {self.address} failed: {e}")

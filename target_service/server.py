@@ -29,7 +29,7 @@ from specserve.auth import PeerAuthInterceptor
 from specserve.engine.target import TargetEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
-from specserve.service.peers import SessionTracker
+from specserve.service.peers import SessionTracker, packed
 from specserve.service.scheduler import StepScheduler, gather
 from specserve.service.wire import verify_item_from_proto, verify_outcome_to_proto
 
@@ -110,24 +110,25 @@ class TargetServicer(pb_grpc.TargetServicer):
         stream = next(self._streams)
 
         async def pump() -> None:
-            async for msg in request_iterator:
-                if not self._admit(msg, replies, stream):
-                    continue
-                tracer = tracing.tracer()
-                span = None
-                if tracer is not None:  # a span per row, from arrival to reply
-                    from opentelemetry.trace import SpanKind
+            async for batch in request_iterator:
+                for msg in batch.rows:
+                    if not self._admit(msg, replies, stream):
+                        continue
+                    tracer = tracing.tracer()
+                    span = None
+                    if tracer is not None:  # a span per row, from arrival to reply
+                        from opentelemetry.trace import SpanKind
 
-                    span = tracer.start_span(
-                        "target.verify_row", kind=SpanKind.SERVER,
-                        context=tracing.context_from_traceparent(msg.traceparent))
-                await self._queue.put((msg, replies, span))
+                        span = tracer.start_span(
+                            "target.verify_row", kind=SpanKind.SERVER,
+                            context=tracing.context_from_traceparent(msg.traceparent))
+                    await self._queue.put((msg, replies, span))
             await replies.put(None)
 
         reader = asyncio.get_running_loop().create_task(pump())
         try:
-            while (reply := await replies.get()) is not None:
-                yield reply
+            async for message in packed(replies, lambda rs: pb.VerifyReplies(replies=rs)):
+                yield message
         finally:
             reader.cancel()
             self.sessions.stream_closed(stream)  # its router is gone: free its sessions

@@ -82,9 +82,11 @@ async def _stream(port: int, msgs, metadata=None, stub="target"):
     """Send ``msgs`` on one stream, keep it open until each has its reply, then close."""
     got = asyncio.Event()
 
+    batch = ipb.VerifyBatch if stub == "target" else ipb.ProposeBatch
+
     async def outgoing():
         for m in msgs:
-            yield m
+            yield batch(rows=[m])
         await got.wait()
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -92,8 +94,8 @@ async def _stream(port: int, msgs, metadata=None, stub="target"):
                   else ipb_grpc.DrafterStub(ch).Propose)
         call = method(outgoing(), metadata=metadata)
         replies = []
-        async for r in call:
-            replies.append(r)
+        async for packed in call:
+            replies.extend(packed.replies)
             if len(replies) == len(msgs):
                 got.set()
                 break

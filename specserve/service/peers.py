@@ -10,8 +10,10 @@ call runs in its worker thread.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 
 class SessionTracker:
@@ -59,3 +61,19 @@ class SessionTracker:
         """Releases that waited for the engine call to end."""
         while self._pending:
             self._release(self._pending.pop())
+
+
+async def packed(replies: asyncio.Queue, pack: Callable[[list], Any]) -> AsyncIterator[Any]:
+    """A server stream's outgoing side: every reply queued at the moment in one message
+    (``pack``); ends at ``None``. A step puts all its replies before this runs again, so a
+    step is one message per stream."""
+    while True:
+        rows = [await replies.get()]
+        while not replies.empty():
+            rows.append(replies.get_nowait())
+        end = None in rows
+        rows = [r for r in rows if r is not None]
+        if rows:
+            yield pack(rows)
+        if end:
+            return

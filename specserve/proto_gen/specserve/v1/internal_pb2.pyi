@@ -132,3 +132,27 @@ class VerifyReply(_message.Message):
     batch_tokens: int
     queue_rows: int
     def __init__(self, call_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., extra_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., batch_size: _Optional[int] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_specserve_pb2.TokenLogprob, _Mapping]]] = ..., batch_tokens: _Optional[int] = ..., queue_rows: _Optional[int] = ...) -> None: ...
+
+class ProposeBatch(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    def __init__(self, rows: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+
+class ProposeReplies(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[ProposeReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[ProposeReply, _Mapping]]] = ...) -> None: ...
+
+class VerifyBatch(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
+    def __init__(self, rows: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+
+class VerifyReplies(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[VerifyReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[VerifyReply, _Mapping]]] = ...) -> None: ...

@@ -36,8 +36,8 @@ class DrafterStub:
         """
         self.Propose = channel.stream_stream(
                 '/specserve.v1.Drafter/Propose',
-                request_serializer=specserve_dot_v1_dot_internal__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=specserve_dot_v1_dot_internal__pb2.ProposeReply.FromString,
+                request_serializer=specserve_dot_v1_dot_internal__pb2.ProposeBatch.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_internal__pb2.ProposeReplies.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Propose': grpc.stream_stream_rpc_method_handler(
                     servicer.Propose,
-                    request_deserializer=specserve_dot_v1_dot_internal__pb2.ProposeRequest.FromString,
-                    response_serializer=specserve_dot_v1_dot_internal__pb2.ProposeReply.SerializeToString,
+                    request_deserializer=specserve_dot_v1_dot_internal__pb2.ProposeBatch.FromString,
+                    response_serializer=specserve_dot_v1_dot_internal__pb2.ProposeReplies.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class Drafter:
             request_iterator,
             target,
             '/specserve.v1.Drafter/Propose',
-            specserve_dot_v1_dot_internal__pb2.ProposeRequest.SerializeToString,
-            specserve_dot_v1_dot_internal__pb2.ProposeReply.FromString,
+            specserve_dot_v1_dot_internal__pb2.ProposeBatch.SerializeToString,
+            specserve_dot_v1_dot_internal__pb2.ProposeReplies.FromString,
             options,
             channel_credentials,
             insecure,
@@ -108,8 +108,8 @@ class TargetStub:
         """
         self.Verify = channel.stream_stream(
                 '/specserve.v1.Target/Verify',
-                request_serializer=specserve_dot_v1_dot_internal__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=specserve_dot_v1_dot_internal__pb2.VerifyReply.FromString,
+                request_serializer=specserve_dot_v1_dot_internal__pb2.VerifyBatch.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_internal__pb2.VerifyReplies.FromString,
                 _registered_method=True)
 
 
@@ -127,8 +127,8 @@ def add_TargetServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Verify': grpc.stream_stream_rpc_method_handler(
                     servicer.Verify,
-                    request_deserializer=specserve_dot_v1_dot_internal__pb2.VerifyRequest.FromString,
-                    response_serializer=specserve_dot_v1_dot_internal__pb2.VerifyReply.SerializeToString,
+                    request_deserializer=specserve_dot_v1_dot_internal__pb2.VerifyBatch.FromString,
+                    response_serializer=specserve_dot_v1_dot_internal__pb2.VerifyReplies.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -156,8 +156,8 @@ class Target:
             request_iterator,
             target,
             '/specserve.v1.Target/Verify',
-            specserve_dot_v1_dot_internal__pb2.VerifyRequest.SerializeToString,
-            specserve_dot_v1_dot_internal__pb2.VerifyReply.FromString,
+            specserve_dot_v1_dot_internal__pb2.VerifyBatch.SerializeToString,
+            specserve_dot_v1_dot_internal__pb2.VerifyReplies.FromString,
             options,
             channel_credentials,
             insecure,
