@@ -79,6 +79,33 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair):
     assert len(owners) == len(engine._sessions)
 
 
+def test_unused_pool_entries_never_reach_a_row(builtin_pair):
+    """Entries past a row's length (stale drafts, other sessions' lengths, pads) are read by
+    attention under a zero weight: whatever finite values they hold must not change any row
+    (the pool only ever holds computed entries or the zeros it grew with: never NaN)."""
+    model = builtin_pair.target
+    engine = TargetEngine(model, cache_budget_bytes=1 << 30)
+    seen = _capture(engine)
+    seqs = {f"s{i}": list(range(5 + 7 * i, 5 + 7 * i + 10 + 9 * i)) for i in range(4)}
+    engine.verify([VerifyItem(sid, len(t), 0, t, [7, 8], None, SamplingParams())
+                   for sid, t in seqs.items()])
+    buf = engine.pool.buf
+    assert torch.isfinite(buf).all()
+    with torch.inference_mode():  # garbage everywhere past each row's length
+        for sess in engine._sessions.values():
+            tail = buf[:, :, sess.slot, :, sess.length:]
+            tail.copy_(1e3 * torch.randn(tail.shape))
+        for s in range(buf.shape[2]):
+            if engine.pool.owner[s] is None:
+                buf[:, :, s].copy_(1e3 * torch.randn(buf[:, :, s].shape))
+    items = [VerifyItem(sid, len(t), len(t) - 1, t[-1:], [9, 10, 11][: i % 3], None,
+                        SamplingParams()) for i, (sid, t) in enumerate(seqs.items())]
+    engine.verify(items)
+    for it in items:
+        fed, k, lg = seen[it.session_id]
+        torch.testing.assert_close(lg, _plain_logits(model, fed, k), atol=2e-4, rtol=1e-4)
+
+
 def test_eviction_frees_slots(builtin_pair):
     engine = TargetEngine(builtin_pair.target, cache_budget_bytes=1)  # evict all but the batch
     for i in range(5):

@@ -93,7 +93,9 @@ class _Pool:
         new_s = have_s if slots <= have_s else max(slots, 2 * have_s, 4)
         new_l = have_l if length <= have_l else max(length, 2 * have_l, _MIN_CAPACITY)
         b = self.buf.shape
-        grown = torch.empty((b[0], b[1], new_s, b[3], new_l, b[5]), dtype=self.buf.dtype,
+        # zeros: attention reads every slot up to the longest row (masked, weight 0), and
+        # 0 * garbage could be NaN; stale entries of earlier sessions are finite
+        grown = torch.zeros((b[0], b[1], new_s, b[3], new_l, b[5]), dtype=self.buf.dtype,
                             device=self.buf.device)
         used = max((s.length for s in self.owner if s is not None), default=0)
         grown[:, :, :have_s, :, :used] = self.buf[:, :, :, :, :used]
@@ -335,7 +337,7 @@ class TargetEngine(LRUSessions):
         ids = [[*r.feed, *[0] * (t - len(r.feed))] for r in rows]  # pads: token 0, masked
         past = torch.tensor([r.past_len for r in rows])
         pos = past[:, None] + torch.arange(t)  # [B, T] true positions (pads continue)
-        uniform = t == 1 and all(r.past_len == rows[0].past_len for r in rows)
+        uniform = all(r.past_len == rows[0].past_len and len(r.feed) == t for r in rows)
         mask = None if uniform else (torch.arange(keys)[None, None, :] <= pos[:, :, None])
         dev = self.device
         pool = self.pool.buf[:, :, first_slot : first_slot + b]  # [2, Ly, B, KVH, L, D]
