@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from specserve.auth import PEER_KEY
+from specserve.service.peers import packed
 
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
@@ -54,17 +55,8 @@ class StreamMux:
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.broken: BaseException | None = None
 
-    async def _outgoing(self) -> AsyncIterator[Any]:
-        while True:
-            rows = [await self._queue.get()]
-            while not self._queue.empty():
-                rows.append(self._queue.get_nowait())
-            end = None in rows
-            rows = [r for r in rows if r is not None]
-            if rows:
-                yield self._pack(rows)
-            if end:
-                return
+    def _outgoing(self) -> AsyncIterator[Any]:
+        return packed(self._queue, self._pack)  # every call queued at once, one message
 
     async def _read(self) -> None:
         try:

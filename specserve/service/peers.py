@@ -5,7 +5,7 @@ release message, when the stream that used it ends (its router died or went away
 connection closes), or when no call used it for ``idle_s`` (a lost release; a later call
 just rebuilds the cache by the contract's resend rule, so releasing early is always safe).
 Releases are applied by the server between engine calls (``apply``), never while an engine
-call runs in its worker thread.
+call runs in its worker thread. ``packed`` is the data plane's stream writer (both ends).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ class SessionTracker:
 
 
 async def packed(replies: asyncio.Queue, pack: Callable[[list], Any]) -> AsyncIterator[Any]:
-    """A server stream's outgoing side: every reply queued at the moment in one message
-    (``pack``); ends at ``None``. A step puts all its replies before this runs again, so a
-    step is one message per stream."""
+    """A stream's outgoing side: every row queued at the moment in one message (``pack``);
+    ends at ``None``. A replica's step puts all its replies before this runs again, so a
+    step is one message per stream; the router's mux sends its queued calls the same way."""
     while True:
         rows = [await replies.get()]
         while not replies.empty():
