@@ -38,6 +38,9 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair):
     rnd = random.Random(3)
     engine = TargetEngine(model, cache_budget_bytes=1 << 30)
     seen = _capture(engine)
+    packed = []
+    run_packed = engine._packed
+    engine._packed = lambda *a: (packed.append(1), run_packed(*a))[1]
     swaps = []
     swap = engine.pool._swap
     engine.pool._swap = lambda a, b: (swaps.append((a, b)), swap(a, b))
@@ -70,6 +73,7 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair):
             toks = seqs[it.session_id]
             toks += [*it.draft_tokens[: out.num_accepted], out.extra_token]
             windows[it.session_id] = len(toks) - 1 - out.num_accepted  # resend a tail
+    assert packed, "no step had rows of different pasts or feeds"
     assert swaps, "no row was ever moved into place: the churn did not exercise _swap"
     assert engine.pool.capacity > 64  # grew under live sessions
     assert engine.pool.buf.shape[2] >= len(seqs)

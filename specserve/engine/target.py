@@ -10,12 +10,15 @@ length change), and feeds all rows' new tokens in ONE forward of the Hugging Fac
 * the rows occupy consecutive slots (they normally already do: a step's rows are the same
   sessions as the last step's; otherwise rows are swapped into place, one row copy each),
   so the forward's past is a view of the pool: nothing is copied per round,
-* inputs: each row's new tokens (committed[keep:] + drafts) left-aligned, right-padded to
-  the longest count T; explicit ``position_ids`` (each row's true positions),
-* each layer's cache ``update`` writes every row's new K/V in place at its own positions
-  (one indexed write per layer) and returns the pool view up to the longest row,
-* a 4D boolean mask ``[B, 1, T, keys]``: query j of row b sees keys ``0 .. len_b + j``
-  (omitted when every row has the same length and feeds one token).
+* inputs: every row's new tokens (committed[keep:] + drafts) packed one after another into
+  one sequence [1, N] with each token's true position, so the projections and the MLP
+  compute exactly the real tokens (a prefill or a k=4 row beside k=0 rows adds its own
+  tokens only); rows with the same past and feed run as a plain [B, T] batch instead,
+* each layer's cache ``update`` writes every token's K/V in place at (its row, its
+  position), one indexed write per layer, and returns the pool view up to the longest row,
+* attention (``_packed_attention``): the queries scattered into [B, H, T, D], a per-row
+  causal mask ``[B, 1, T, keys]`` (query j of row b sees keys ``0 .. len_b + j``), gathered
+  back; the uniform batch uses Hugging Face's own mask.
 
 Each row's logits are read at its last k + 1 real inputs and ``verify_batch`` decides all
 rows at once. A session that is unknown or holds fewer than ``tokens_start`` tokens
@@ -25,15 +28,18 @@ list with ``tokens_start = 0``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = ["TargetEngine", "VerifyItem", "VerifyOutcome"]
 
 import numpy as np
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specserve.api import MAX_LOGPROBS, TokenLogprob
 from specserve.contract import RepairRecord, VerifyItem, VerifyOutcome
@@ -46,7 +52,6 @@ from specserve.service.lru import LRUSessions
 # Tokens per session recorded in the byte accounting beside the KV (a Python int list).
 _TOKEN_BYTES = 8
 _MIN_CAPACITY = 64
-_SHORT_FEED = 8  # feeds this short always share a forward (a round's k + 1 tokens)
 
 
 class UnsupportedTargetError(ValueError):
@@ -140,26 +145,69 @@ class _Pool:
 
 
 class _SlotLayer(DynamicLayer):
-    """A cache layer over consecutive pool slots [B, KVH, L, D]: ``update`` writes every
-    row's new entries at its own positions (one indexed write) and returns the keys and
-    values up to ``keys`` entries (the longest row's length + T)."""
+    """A cache layer over consecutive pool slots [B, KVH, L, D]: ``update`` writes the new
+    entries of every token at (its row, its position) in one indexed write (the step's
+    tokens in row-major order, padded [B, T] or packed [1, N] alike) and returns the keys
+    and values of the slots up to ``keys`` entries (the longest row's length + T)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-                 positions: torch.Tensor, keys: int):
+                 positions: torch.Tensor, keys: int, past: int):
         super().__init__()
         self._k, self._v, self._rows, self._pos, self._n = k, v, rows, positions, keys
+        self._past = past
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states: [B, KVH, T, D] -> the pool's [B, T, KVH, D] at (row, position)
-        self._k[self._rows, :, self._pos] = key_states.transpose(1, 2)
-        self._v[self._rows, :, self._pos] = value_states.transpose(1, 2)
+        # [B, KVH, T, D] (or [1, KVH, N, D]) -> one [KVH, D] entry per token
+        kvh, d = key_states.shape[1], key_states.shape[3]
+        self._k[self._rows, :, self._pos] = key_states.transpose(1, 2).reshape(-1, kvh, d)
+        self._v[self._rows, :, self._pos] = value_states.transpose(1, 2).reshape(-1, kvh, d)
         self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
         return self.keys, self.values
 
-    def get_seq_length(self) -> int:  # the past (every row's, in the uniform case)
-        return self._n - self._pos.shape[1]
+    def get_seq_length(self) -> int:  # the rows' common past (Hugging Face's causal mask)
+        return self._past
+
+
+_PACKED = "specserve_packed"
+
+
+def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs: object) -> tuple[torch.Tensor, None]:
+    """Attention of a packed step: ``query`` [1, H, N, D] (every row's tokens one after
+    another), ``key``/``value`` the rows' pool slots [B, KVH, keys, D]. The queries are
+    scattered into [B, H, T, D] (row, index in its feed), attend under the per-row causal
+    mask [B, 1, T, keys] and are gathered back. Any other call: plain SDPA."""
+    meta = kwargs.pop("specserve_packed", None)
+    if meta is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    where, b, t, mask = meta
+    h, d = query.shape[1], query.shape[3]
+    q = query.new_zeros((b * t, h, d))
+    q[where] = query[0].transpose(0, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.view(b, t, h, d).transpose(1, 2), key, value, attn_mask=mask, scale=scaling,
+        enable_gqa=key.shape[1] != h)  # [B, H, T, D]
+    return out.transpose(1, 2).reshape(b * t, h, d)[where][None], None
+
+
+AttentionInterface.register(_PACKED, _packed_attention)
+AttentionMaskInterface.register(_PACKED, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _attention(config: object, implementation: str) -> Iterator[None]:
+    """The model's attention implementation for one call (the engine's calls are serial)."""
+    before = config._attn_implementation
+    config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def _check_layers(config: object) -> None:
@@ -288,11 +336,9 @@ class TargetEngine(LRUSessions):
         return [o for o in outcomes if o is not None]
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
-        """All rows' logits, in as few forwards as pay: rows are padded to the longest feed
-        of their forward, so a prefill (or a long repair) runs beside rows of similar length
-        only (``_groups``); with ``batch_invariant`` every sampled row is its own forward (its
-        random draws compare against bitwise the same p whatever else is in the batch) and
-        the greedy rows share (argmax needs no last bits)."""
+        """All rows' logits in one forward; with ``batch_invariant`` every sampled row is its
+        own forward (its random draws compare against bitwise the same p whatever else is in
+        the batch) and the greedy rows share one (argmax needs no last bits)."""
         groups = self._groups(rows)
         if len(groups) == 1:
             return self._forward_batch(rows)
@@ -307,68 +353,90 @@ class TargetEngine(LRUSessions):
         return torch.stack(out)
 
     def _groups(self, rows: list[_Row]) -> list[list[int]]:
-        """Row indices per forward: sampled rows alone (``batch_invariant``); the others by
-        feed length, a new forward where a row's feed is over twice the shortest of the
-        current one (and over ``_SHORT_FEED``), so padding never more than doubles work."""
+        """Row indices per forward: with ``batch_invariant`` every sampled row alone, the
+        others together (mixed feeds cost their own tokens only: ``_packed``)."""
         alone = [i for i, r in enumerate(rows)
                  if self.batch_invariant and not r.item.sampling.greedy and len(rows) > 1]
-        rest = sorted((i for i in range(len(rows)) if i not in set(alone)),
-                      key=lambda i: len(rows[i].feed))
-        groups = [[i] for i in alone]
-        for i in rest:
-            n = len(rows[i].feed)
-            if groups[len(alone):] and (n <= _SHORT_FEED
-                                        or n <= 2 * len(rows[groups[-1][0]].feed)):
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        return groups
+        rest = [i for i in range(len(rows)) if i not in set(alone)]
+        return [[i] for i in alone] + ([rest] if rest else [])
 
     def _forward_batch(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
         b = len(rows)
         t = max(len(r.feed) for r in rows)
-        k_max = max(len(r.item.draft_tokens) for r in rows)
         keys = max(r.past_len for r in rows) + t
         self.pool.reserve(len(self.pool.owner), keys)
         first_slot = self.pool.place([r.session for r in rows])
         back = torch.tensor([r.session.slot - first_slot for r in rows])  # caller's order
         rows = sorted(rows, key=lambda r: r.session.slot)  # the pool's order
-
-        ids = [[*r.feed, *[0] * (t - len(r.feed))] for r in rows]  # pads: token 0, masked
-        past = torch.tensor([r.past_len for r in rows])
-        pos = past[:, None] + torch.arange(t)  # [B, T] true positions (pads continue)
+        kv = self.pool.buf[:, :, first_slot : first_slot + b]  # [2, Ly, B, KVH, L, D]
         uniform = all(r.past_len == rows[0].past_len and len(r.feed) == t for r in rows)
-        mask = None if uniform else (torch.arange(keys)[None, None, :] <= pos[:, :, None])
-        dev = self.device
-        pool = self.pool.buf[:, :, first_slot : first_slot + b]  # [2, Ly, B, KVH, L, D]
-        row_idx, pos_dev = torch.arange(b, device=dev)[:, None], pos.to(dev)
-        cache = DynamicCache(config=self.config)
-        cache.layers = [_SlotLayer(pool[0, j], pool[1, j], row_idx, pos_dev, keys)
-                        for j in range(self.layers)]
-        # logits only where some row needs them: from the earliest first-verified input on
-        first = min(len(r.feed) - len(r.item.draft_tokens) - 1 for r in rows)
-        out = self.model(
-            input_ids=torch.tensor(ids).to(dev),
-            attention_mask=None if mask is None else mask[:, None].to(dev),
-            position_ids=pos.clamp(max=self.max_context - 1).to(dev), cache=cache,
-            use_cache=True, logits_to_keep=t - first,
-        )
+        run = self._padded if uniform else self._packed
+        logits = run(rows, kv, t, keys)  # [B, K+1, V]
         self.forward_batches += 1
         self.rows_verified += b
         self.max_batch_size_seen = max(self.max_batch_size_seen, b)
-
-        # each row's k + 1 logits; slots past k repeat its last one (ignored by verify)
-        idx = torch.zeros((b, k_max + 1), dtype=torch.long)
-        for i, r in enumerate(rows):
-            k = len(r.item.draft_tokens)
-            start = len(r.feed) - k - 1 - first
-            idx[i] = (start + torch.arange(k_max + 1)).clamp(max=start + k)
-        logits = out.logits.float().gather(
-            1, idx.to(dev)[:, :, None].expand(-1, -1, out.logits.shape[-1]))  # [B, K+1, V]
         for r in rows:
             r.session.length = r.past_len + len(r.feed)
             r.session.tokens = [*r.committed, *r.item.draft_tokens]
         return logits.cpu()[back]
+
+    def _cache(self, kv: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, keys: int,
+               past: int) -> DynamicCache:
+        cache = DynamicCache(config=self.config)
+        dev = self.device
+        cache.layers = [_SlotLayer(kv[0, j], kv[1, j], rows.to(dev), pos.to(dev), keys, past)
+                        for j in range(self.layers)]
+        return cache
+
+    def _padded(self, rows: list[_Row], kv: torch.Tensor, t: int, keys: int) -> torch.Tensor:
+        """Every row has the same past and feed: one [B, T] forward, Hugging Face's own
+        causal mask (what a row alone gets)."""
+        b, past = len(rows), rows[0].past_len
+        pos = past + torch.arange(t).expand(b, t)
+        cache = self._cache(kv, torch.arange(b).repeat_interleave(t), pos.flatten(), keys, past)
+        first = min(len(r.feed) - len(r.item.draft_tokens) - 1 for r in rows)
+        out = self.model(input_ids=torch.tensor([r.feed for r in rows]).to(self.device),
+                         position_ids=pos.clamp(max=self.max_context - 1).to(self.device),
+                         cache=cache, use_cache=True, logits_to_keep=t - first)
+        k_max = max(len(r.item.draft_tokens) for r in rows)
+        idx = torch.zeros((b, k_max + 1), dtype=torch.long)
+        for i, r in enumerate(rows):  # each row's k + 1 logits; past k: its last one again
+            k = len(r.item.draft_tokens)
+            start = len(r.feed) - k - 1 - first
+            idx[i] = (start + torch.arange(k_max + 1)).clamp(max=start + k)
+        lg = out.logits
+        return lg.float().gather(1, idx.to(lg.device)[:, :, None].expand(-1, -1, lg.shape[-1]))
+
+    def _packed(self, rows: list[_Row], kv: torch.Tensor, t: int, keys: int) -> torch.Tensor:
+        """Rows of different pasts or feeds: their tokens packed into one sequence [1, N], so
+        projections and MLP compute exactly the real tokens (no padding to the longest feed:
+        a prefill or a k=4 row beside k=0 rows costs its own tokens only); attention runs on
+        a padded [B, H, T, D] view of the queries against the rows' pool slots
+        (``_packed_attention``)."""
+        n = [len(r.feed) for r in rows]
+        past = torch.tensor([r.past_len for r in rows])
+        row_tok = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(n))
+        j_tok = torch.cat([torch.arange(m) for m in n])
+        pos_tok = past[row_tok] + j_tok
+        mask = torch.arange(keys)[None, None, None, :] <= \
+            (past[:, None] + torch.arange(t))[:, None, :, None]  # [B, 1, T, keys]
+        ends = torch.tensor(n).cumsum(0)
+        keep = torch.cat([end - len(r.item.draft_tokens) - 1 + torch.arange(
+            len(r.item.draft_tokens) + 1) for r, end in zip(rows, ends.tolist(), strict=True)])
+        dev = self.device
+        meta = (row_tok.to(dev) * t + j_tok.to(dev), len(rows), t, mask.to(dev))
+        with _attention(self.model.config, _PACKED):
+            out = self.model(
+                input_ids=torch.tensor([[x for r in rows for x in r.feed]]).to(dev),
+                attention_mask=meta[3], position_ids=pos_tok.clamp(
+                    max=self.max_context - 1)[None].to(dev),
+                cache=self._cache(kv, row_tok, pos_tok, keys, 0), use_cache=True,
+                logits_to_keep=keep.to(dev), specserve_packed=meta)
+        k_max = max(len(r.item.draft_tokens) for r in rows)
+        starts = torch.tensor([0, *[len(r.item.draft_tokens) + 1 for r in rows]]).cumsum(0)
+        idx = torch.stack([s + torch.arange(k_max + 1).clamp(max=len(r.item.draft_tokens))
+                           for s, r in zip(starts[:-1].tolist(), rows, strict=True)])
+        return out.logits[0].float()[idx.to(out.logits.device)]  # [B, K+1, V]
 
     def _decide(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, int, bool]]:
         # logits: [B, K+1, V]
