@@ -74,7 +74,7 @@ async def make_target_engine(cfg: AppConfig, host: str) -> Any:
         sc = t.scaling
         return await start_tp_target(
             resolve_model(cfg.models.target), t.tp_size, host, t.cache_bytes,
-            threads=t.torch_threads, timeout_s=t.tp_timeout_s, num_cpus=sc.num_cpus,
+            threads=t.threads(), timeout_s=t.tp_timeout_s, num_cpus=sc.num_cpus,
             num_gpus=sc.num_gpus, resources=sc.resources, heartbeat_s=t.tp_heartbeat_s)
     from specserve.engine.target import TargetEngine
 
@@ -111,7 +111,7 @@ class TargetDeployment:
         from specserve.service.metrics import TargetBatchMetrics
         from target_service.server import start_target_server
 
-        self.replica = _start_replica("target", cfg, cfg.target.torch_threads)
+        self.replica = _start_replica("target", cfg, cfg.target.threads())
         host = node_host(cfg)
         self.engine = await engine_factory(cfg, host)
         self.tp = self.engine if cfg.target.tp_size > 1 else None
@@ -164,7 +164,7 @@ class DrafterDeployment:
     async def __init__(self, cfg: AppConfig, engine_factory: EngineFactory = make_drafter_engine):
         from drafter_service.server import start_drafter_server
 
-        self.replica = _start_replica("drafter", cfg, cfg.drafter.torch_threads)
+        self.replica = _start_replica("drafter", cfg, cfg.drafter.threads())
         host = node_host(cfg)
         self.engine = await engine_factory(cfg, host)
         sec = cfg.security

@@ -96,13 +96,18 @@ class RouterOptions(BaseModel):
                                "journal entry (its committed tokens) is kept for resumes")
 
 
-_THREADS = ("intra-op torch threads per replica (1 on shared CPUs: oversubscribed OpenMP "
-            "threads are 10x slower)")
+_THREADS = ("intra-op torch threads per replica; null: the replica's scaling.num_cpus "
+            "(at least 1), so threads follow the CPUs Ray reserves for it (on one shared "
+            "machine keep that 1 per process: OpenMP threads that lose their core spin)")
 
 
 _WAIT = ("longest wait (ms) of a step for the rows of sessions whose replies are out (it "
          "starts as soon as they are all in, at once when none is out; never longer than one "
          "step's compute)")
+
+
+def _threads(torch_threads: int | None, scaling: Scaling) -> int:
+    return torch_threads or max(1, int(scaling.num_cpus))
 
 
 class DrafterOptions(BaseModel):
@@ -114,10 +119,13 @@ class DrafterOptions(BaseModel):
     cache_bytes: int = Field(256 << 20, ge=1 << 16, description="KV budget per replica (LRU)")
     max_batch: int = Field(64, ge=1, le=512, description="proposals per drafter step")
     batch_wait_ms: float = Field(50.0, ge=0, le=100, description=_WAIT)
-    torch_threads: int = Field(1, ge=1, le=256, description=_THREADS)
+    torch_threads: int | None = Field(None, ge=1, le=256, description=_THREADS)
     session_idle_s: float = Field(10.0, gt=0, le=3600, description="a session no stream has "
                                   "used this long is released (a router that died, a client "
                                   "gone); a later call just rebuilds its cache")
+
+    def threads(self) -> int:
+        return _threads(self.torch_threads, self.scaling)
 
 
 class TargetOptions(BaseModel):
@@ -129,7 +137,7 @@ class TargetOptions(BaseModel):
     cache_bytes: int = Field(512 << 20, ge=1 << 16, description="KV budget per replica (LRU)")
     max_batch: int = Field(32, ge=1, le=512, description="rows per target forward")
     batch_wait_ms: float = Field(50.0, ge=0, le=100, description=_WAIT)
-    torch_threads: int = Field(1, ge=1, le=256, description=_THREADS)
+    torch_threads: int | None = Field(None, ge=1, le=256, description=_THREADS)
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per target "
                          "replica (one placement group of tp_size bundles, STRICT_PACK, each "
                          "with this scaling's CPUs/GPUs); must divide the target's heads")
@@ -147,6 +155,9 @@ class TargetOptions(BaseModel):
                                   "greedy rows share one forward either way; false: one "
                                   "padded forward for the batch (faster, last-bit differences "
                                   "between batch mixes)")
+
+    def threads(self) -> int:
+        return _threads(self.torch_threads, self.scaling)
 
 
 class Security(BaseModel):

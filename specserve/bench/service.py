@@ -316,7 +316,7 @@ def run_service_bench(
             service.stop()
     if service is not None and inprocess:
         ref = _inprocess(target, drafter, prompts[: max(requests_per_level, max(concurrency))],
-                         concurrency, configs, max_tokens, service.config.target.torch_threads)
+                         concurrency, configs, max_tokens, service.config.target.threads())
         for c, level in levels.items():
             for name, row in level.items():
                 row["inprocess"] = ref[c][name]
