@@ -12,6 +12,7 @@ it and an exception raised, which Serve's proxy turns into that status.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -136,9 +137,11 @@ async def generate_stream(ing: Ingress, request, ctx):
             return
         req = decode(ing, request)
         request_id, call = call_of(ing, req, ctx)
-        async for ch in ing.router.generate(req, request_id, _parent(ctx), call):
-            yield chunk_to_proto(ch.text, ch.token_ids, ch.finish_reason, ch.stats,
-                                 ch.logprobs)
+        async with contextlib.aclosing(  # a cancelled stream stops the request now
+                ing.router.generate(req, request_id, _parent(ctx), call)) as chunks:
+            async for ch in chunks:
+                yield chunk_to_proto(ch.text, ch.token_ids, ch.finish_reason, ch.stats,
+                                     ch.logprobs)
     except RequestFailed:
         raise
     except Exception as e:
@@ -154,11 +157,13 @@ async def generate_unary(ing: Ingress, request, ctx):
         req = decode(ing, request)
         request_id, call = call_of(ing, req, ctx)
         call.resume = ResumePoint()  # a unary caller holds nothing
-        async for ch in ing.router.generate(req, request_id, _parent(ctx), call):
-            text.append(ch.text)
-            ids.extend(ch.token_ids)
-            lps.extend(ch.logprobs or ())
-            finish, stats = ch.finish_reason or finish, ch.stats or stats
+        async with contextlib.aclosing(
+                ing.router.generate(req, request_id, _parent(ctx), call)) as chunks:
+            async for ch in chunks:
+                text.append(ch.text)
+                ids.extend(ch.token_ids)
+                lps.extend(ch.logprobs or ())
+                finish, stats = ch.finish_reason or finish, ch.stats or stats
     except Exception as e:
         ing.router.count_error(e)
         raise await _fail(ctx, e) from e

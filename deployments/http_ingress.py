@@ -8,6 +8,7 @@ gRPC API: the same router, the same validated request, the same outputs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -67,11 +68,12 @@ async def _whole(kind: _Kind, chunks: AsyncIterator[RouterChunk], first: RouterC
                  rid: str, model: str) -> dict[str, Any]:
     text, lps, last = [first.text], kind.logprobs(first, 0), first
     n_tokens = len(first.token_ids)
-    async for ch in chunks:
-        lps = _merge_logprobs(lps, kind.logprobs(ch, len("".join(text))), kind.chat)
-        text.append(ch.text)
-        n_tokens += len(ch.token_ids)
-        last = ch
+    async with contextlib.aclosing(chunks):  # a client gone: the request stops now
+        async for ch in chunks:
+            lps = _merge_logprobs(lps, kind.logprobs(ch, len("".join(text))), kind.chat)
+            text.append(ch.text)
+            n_tokens += len(ch.token_ids)
+            last = ch
     stats = last.stats or {}
     return oa.envelope(kind.obj, rid, model,
                        [kind.choice("".join(text), lps, last.finish_reason, delta=False)],

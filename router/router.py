@@ -23,6 +23,7 @@ frees its admission slot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -240,11 +241,12 @@ class Router:
         self.active += 1
         try:
             delivery = Delivery(call.resume)
-            async for chunk in self._generate(req, request_id or uuid.uuid4().hex, parent,
-                                              call):
-                out = delivery.cut(chunk)
-                if out is not None:
-                    yield out
+            async with contextlib.aclosing(self._generate(  # closed here, not by the GC
+                    req, request_id or uuid.uuid4().hex, parent, call)) as chunks:
+                async for chunk in chunks:
+                    out = delivery.cut(chunk)
+                    if out is not None:
+                        yield out
         finally:
             self.active -= 1
 
@@ -298,16 +300,19 @@ class Router:
             priors = await self.priors.read(self.revisions) if state.spec == "auto" else None
             policy = policy_for(state, self.cost, self.drafters is not None, priors)
             rounds = speculate(state, proposer, verifier, policy, observer, detok)
-            async for o in run_ahead(rounds, _RUN_AHEAD):  # next round || journal+stream
-                await self.journal.append(entry, list(o.tokens), o.finish)  # before streaming
-                if entry is not None and entry.cancelled:
-                    raise Cancelled("cancelled by the caller")
-                if o.finish is None:
-                    yield RouterChunk(o.text, list(o.tokens), logprobs=o.logprobs)
-                    _check_deadline(call, state)
-                else:
-                    yield RouterChunk(o.text, list(o.tokens), o.finish, state.stats.to_dict(),
-                                      o.logprobs)
+            # the next round runs while this one is journaled and streamed; on any exit the
+            # rounds stop (and their calls end) before the leases are released below
+            async with contextlib.aclosing(run_ahead(rounds, _RUN_AHEAD)) as outcomes:
+                async for o in outcomes:
+                    await self.journal.append(entry, list(o.tokens), o.finish)  # then stream
+                    if entry is not None and entry.cancelled:
+                        raise Cancelled("cancelled by the caller")
+                    if o.finish is None:
+                        yield RouterChunk(o.text, list(o.tokens), logprobs=o.logprobs)
+                        _check_deadline(call, state)
+                    else:
+                        yield RouterChunk(o.text, list(o.tokens), o.finish,
+                                          state.stats.to_dict(), o.logprobs)
         except BaseException as e:
             error = e
             if state.finish is None:  # counted as such in the metrics, not as "length"

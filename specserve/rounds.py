@@ -442,5 +442,6 @@ async def run_ahead(source: AsyncIterator[T], depth: int) -> AsyncIterator[T]:
                 return
             yield item
     finally:  # the source's own cleanup (releases, spans) runs before the caller's
-        task.cancel()
-        await asyncio.wait({task})
+        while not task.done():  # again until it ends: asyncio.wait_for in 3.11 can swallow
+            task.cancel()       # a cancel whose inner call completes at the same moment
+            await asyncio.wait({task}, timeout=0.05)

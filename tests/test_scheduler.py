@@ -174,3 +174,33 @@ def test_closing_the_consumer_closes_the_source_first():
     log = _run(main())
     assert log[-1] == ("closed",)  # the source's cleanup ran before aclose returned
     assert sum(1 for e in log if e[0] == "made") < 10
+
+
+def test_closing_ends_a_source_that_swallows_one_cancel():
+    """asyncio.wait_for (3.11) can swallow a cancel whose inner call completes at the same
+    moment; the round loop then goes on. Closing the consumer must still end the source."""
+    async def stubborn(log: list):
+        i = 0
+        swallowed = False
+        try:
+            while True:
+                try:
+                    await asyncio.sleep(0.001)
+                except asyncio.CancelledError:
+                    if swallowed:
+                        raise
+                    swallowed = True  # as wait_for does when its inner call just finished
+                log.append(i)
+                yield i
+                i += 1
+        finally:
+            log.append("closed")
+
+    async def main():
+        log: list = []
+        agen = run_ahead(stubborn(log), 2)
+        assert await agen.__anext__() == 0
+        await asyncio.wait_for(agen.aclose(), 5)  # a hang here is the bug
+        return log
+
+    assert _run(main())[-1] == "closed"
