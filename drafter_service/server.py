@@ -31,7 +31,7 @@ from specserve.engine.drafter import DrafterEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
 from specserve.service.peers import SessionTracker, packed
-from specserve.service.scheduler import StepScheduler, gather
+from specserve.service.scheduler import StepScheduler, by_session, gather
 from specserve.service.wire import propose_item_from_proto, propose_outcome_to_proto
 
 log = logging.getLogger(__name__)
@@ -115,15 +115,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def _run(self) -> None:
         while True:
             batch = await gather(self._queue, self.scheduler, self.max_batch)
-            while batch:  # a session twice in the queue: its calls in order, one per engine call
-                now: list[_Job] = []
-                later: list[_Job] = []
-                seen: set[str] = set()
-                for job in batch:
-                    (later if job[0].session_id in seen else now).append(job)
-                    seen.add(job[0].session_id)
-                await self._serve(now)
-                batch = later
+            for jobs in by_session(batch, lambda job: job[0].session_id):
+                await self._serve(jobs)
 
     async def _serve(self, jobs: list[_Job]) -> None:
         """One engine call for ``jobs``; each answer (or the call's error) to its future."""

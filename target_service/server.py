@@ -30,7 +30,7 @@ from specserve.engine.target import TargetEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
 from specserve.service.peers import SessionTracker, packed
-from specserve.service.scheduler import StepScheduler, gather
+from specserve.service.scheduler import StepScheduler, by_session, gather
 from specserve.service.wire import verify_item_from_proto, verify_outcome_to_proto
 
 if TYPE_CHECKING:
@@ -135,13 +135,17 @@ class TargetServicer(pb_grpc.TargetServicer):
 
     async def _run(self) -> None:
         while True:
-            await self._serve(await gather(self._queue, self.scheduler, self.max_batch))
+            batch = await gather(self._queue, self.scheduler, self.max_batch)
+            for rows in by_session(batch, lambda row: row[0].session_id):
+                await self._serve(rows)
 
     async def _serve(self, batch: list[_Row]) -> None:
         items, errors = [], {}
         for i, (msg, _, _) in enumerate(batch):
-            try:
-                items.append(verify_item_from_proto(msg))
+            try:  # alone: a bad row is answered with its error and never fails the batch
+                item = verify_item_from_proto(msg)
+                self.engine.validate(item)
+                items.append(item)
             except ValueError as e:
                 errors[i] = str(e)
         good = [i for i in range(len(batch)) if i not in errors]

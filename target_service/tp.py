@@ -222,6 +222,9 @@ class TPTargetEngine:
     def max_context(self) -> int:
         return self.engine.max_context
 
+    def validate(self, item: VerifyItem) -> None:
+        self.engine.validate(item)  # rank 0's checks are every rank's (same model)
+
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutcome]:
         with self._lock:
             result = self._run(("verify", self._take_releases(), items))

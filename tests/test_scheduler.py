@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from specserve.rounds import run_ahead
-from specserve.service.scheduler import StepScheduler, gather
+from specserve.service.scheduler import StepScheduler, by_session, gather
 
 
 def test_nothing_out_starts_at_once():
@@ -204,3 +204,46 @@ def test_closing_ends_a_source_that_swallows_one_cancel():
         return log
 
     assert _run(main())[-1] == "closed"
+
+
+def test_by_session_serves_a_repeated_session_in_order():
+    rows = [("a", 1), ("b", 1), ("a", 2), ("c", 1), ("a", 3), ("b", 2)]
+    calls = by_session(rows, lambda r: r[0])
+    assert calls == [[("a", 1), ("b", 1), ("c", 1)], [("a", 2), ("b", 2)], [("a", 3)]]
+    assert by_session(rows[:2], lambda r: r[0]) == [rows[:2]]
+
+
+def test_target_batch_survives_a_bad_row_and_a_repeated_session(builtin_pair):
+    """A row the engine would refuse is answered alone; a session queued twice (a resend
+    behind its first call) is served in order; the other rows of the step are verified."""
+    from specserve.contract import VerifyItem
+    from specserve.core.sampling import SamplingParams
+    from specserve.engine.target import TargetEngine
+    from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
+    from specserve.service.wire import verify_item_to_proto
+    from target_service.server import TargetServicer
+
+    def msg(call_id, sid, toks):
+        m = verify_item_to_proto(VerifyItem(sid, len(toks), 0, toks, [], None,
+                                            SamplingParams(seed=1)))
+        m.call_id = call_id
+        return m
+
+    async def main():
+        servicer = TargetServicer(TargetEngine(builtin_pair.target), "t0")
+        replies: asyncio.Queue = asyncio.Queue()
+        batch = [(msg(1, "a", [5, 6, 7]), replies, None),
+                 (msg(2, "bad", [5, 10**6]), replies, None),  # outside the vocabulary
+                 (msg(3, "a", [5, 6, 7, 8]), replies, None),  # a again, behind its first
+                 (msg(4, "b", [9, 10]), replies, None)]
+        for rows in by_session(batch, lambda r: r[0].session_id):
+            await servicer._serve(rows)
+        out: list[pb.VerifyReply] = []
+        while not replies.empty():
+            out.append(replies.get_nowait())
+        return {r.call_id: r for r in out}
+
+    got = asyncio.run(main())
+    assert "outside the vocabulary" in got[2].error
+    assert not any(got[i].error for i in (1, 3, 4))
+    assert got[3].repair.cached_before == 3  # served after call 1, from its cache

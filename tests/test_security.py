@@ -63,6 +63,9 @@ class _FakeTarget:
     def __init__(self, delay: float = 0.0):
         self.delay, self.released = delay, []
 
+    def validate(self, item):
+        pass
+
     def verify(self, items):
         from specserve.contract import VerifyOutcome
 

@@ -298,6 +298,11 @@ class TargetEngine(LRUSessions):
             if it.logprobs is not None and not 0 <= it.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"session {sid!r}: logprobs must be in [0, {MAX_LOGPROBS}]")
 
+    def validate(self, item: VerifyItem) -> None:
+        """Raise ValueError if ``item`` alone would be refused (``verify`` checks the whole
+        list at once; a server checks each row first so a bad one fails alone)."""
+        self._check([item])
+
     # ----------------------------------------------------------------- verify
     @torch.inference_mode()
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutcome]:

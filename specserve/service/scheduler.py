@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TypeVar
 
 _SAMPLES = 256
@@ -119,3 +120,20 @@ async def gather(queue: asyncio.Queue[Row], scheduler: StepScheduler, max_rows: 
             batch.append(await asyncio.wait_for(queue.get(), remaining))
     scheduler.waits += waited
     return batch
+
+
+def by_session(batch: list[Row], session_of: Callable[[Row], str]) -> list[list[Row]]:
+    """The engine calls that serve ``batch``: a session queued twice (a resend behind its
+    first call) gets its calls in order, one per engine call; every other row goes with the
+    first (an engine call refuses a session twice)."""
+    calls: list[list[Row]] = []
+    seen: list[set[str]] = []
+    for row in batch:
+        sid = session_of(row)
+        i = next((j for j, s in enumerate(seen) if sid not in s), len(calls))
+        if i == len(calls):
+            calls.append([])
+            seen.append(set())
+        calls[i].append(row)
+        seen[i].add(sid)
+    return calls
