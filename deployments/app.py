@@ -24,7 +24,9 @@ from typing import Any
 
 from ray import serve
 
+from deployments.autoscaling import DRAFTING, SESSIONS
 from deployments.config import AppConfig
+from specserve.service.load import BusyMeter
 
 log = logging.getLogger("specserve")
 
@@ -122,11 +124,17 @@ class TargetDeployment:
             batch_wait_s=cfg.target.batch_wait_ms / 1000, prometheus=TargetBatchMetrics(),
             max_queue=cfg.target.max_queue, idle_s=cfg.target.session_idle_s)
         self.address = f"{host}:{port}"
+        self.busy = BusyMeter(lambda: self.servicer.metrics.compute_s)
         log.info("target replica %s serving verify on %s", self.replica, self.address)
 
     async def session(self, session_id: str):
         async for address in _hold(self.servicer.sessions, session_id, self.address):
             yield address
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (``deployments/autoscaling.py``)."""
+        return {"sessions": float(len(self.servicer.sessions)), "busy": self.busy.read(),
+                "queued": float(self.servicer.queued)}
 
     async def ping(self) -> bool:
         """The router's health check: this replica answers (and its TP group is whole)."""
@@ -173,10 +181,16 @@ class DrafterDeployment:
             max_message_bytes=sec.max_internal_message_bytes, idle_s=cfg.drafter.session_idle_s,
             max_batch=cfg.drafter.max_batch, batch_wait_s=cfg.drafter.batch_wait_ms / 1000)
         self.address = f"{host}:{port}"
+        self.busy = BusyMeter(lambda: self.servicer.compute_s)
 
     async def session(self, session_id: str):
         async for address in _hold(self.servicer.sessions, session_id, self.address):
             yield address
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (``deployments/autoscaling.py``)."""
+        return {"drafting": float(self.servicer.drafting.count()), "busy": self.busy.read(),
+                "sessions": float(len(self.servicer.sessions))}
 
     async def stats(self) -> dict:
         sv = self.servicer
@@ -216,7 +230,8 @@ def make_router(cfg: AppConfig, drafter_handle: Any, target_handle: Any) -> Any:
         tok,
         RouterConfig(max_context=mcfg.max_position_embeddings, eos_token_id=tok.eos_token_id,
                      vocab_size=mcfg.vocab_size, call_timeout_s=r.call_timeout_s,
-                     target_retries=r.target_retries, max_concurrent=r.max_concurrent),
+                     target_retries=r.target_retries, max_concurrent=r.max_concurrent,
+                     drafter_lease_s=r.drafter_lease_s),
         drafters=(ServeLeasePool(drafter_handle, "drafter", sec.data_plane_secret,
                                  sec.max_internal_message_bytes) if m.drafter else None),
         targets=ServeLeasePool(target_handle, "target", sec.data_plane_secret,
@@ -316,8 +331,9 @@ def build_app(config: dict | AppConfig | None = None):
 
         cfg = cfg.model_copy(update={"security": cfg.security.model_copy(
             update={"data_plane_secret": secrets.token_urlsafe(32)})})
-    target = TargetDeployment.options(
-        **cfg.target.scaling.deployment_options(cfg.target.tp_size)).bind(cfg)
-    drafter = DrafterDeployment.options(**cfg.drafter.scaling.deployment_options()).bind(cfg)
+    target = TargetDeployment.options(**cfg.target.scaling.deployment_options(
+        cfg.target.tp_size, signal=SESSIONS)).bind(cfg)
+    drafter = DrafterDeployment.options(**cfg.drafter.scaling.deployment_options(
+        signal=DRAFTING)).bind(cfg)
     return RouterDeployment.options(**cfg.router.scaling.deployment_options()).bind(
         cfg, drafter, target)

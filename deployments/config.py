@@ -24,6 +24,22 @@ class Scaling(BaseModel):
     max_queued_requests: int = Field(
         1024, ge=1, description="bound on requests Serve queues for this deployment; beyond "
         "it callers get RESOURCE_EXHAUSTED / back-pressure (memory never grows unbounded)")
+    target_busy: float = Field(
+        0.8, gt=0, le=1, description="drafter and target: the fraction of time a replica's "
+        "engine computes that the autoscaler aims at (with target_ongoing_requests: "
+        "whichever asks for more replicas); the router ignores it")
+    upscale_delay_s: float = Field(5.0, ge=0, description="the load must ask for more "
+                                   "replicas this long before they are added")
+    downscale_delay_s: float = Field(30.0, ge=0, description="the load must ask for fewer "
+                                     "replicas this long before one is removed")
+    look_back_period_s: float = Field(10.0, gt=0, description="window the replicas' load "
+                                      "signals are averaged over")
+    metrics_interval_s: float = Field(2.0, gt=0, description="how often replicas report "
+                                      "their load to Serve's controller")
+    drain_s: float = Field(
+        30.0, ge=0, description="a replica being removed (scale-down, redeploy) takes no new "
+        "sessions and has this long to finish the ones it holds; the rest are re-leased by "
+        "their routers and rebuilt from the committed tokens (nothing is lost)")
 
     @model_validator(mode="after")
     def _bounds(self) -> Scaling:
@@ -40,9 +56,11 @@ class Scaling(BaseModel):
             b[f"accelerator_type:{self.accelerator_type}"] = 0.001
         return b
 
-    def deployment_options(self, tp_size: int = 1) -> dict:
+    def deployment_options(self, tp_size: int = 1, signal: str | None = None) -> dict:
         """Serve options; ``tp_size`` > 1: a placement group of ``tp_size`` bundles per
-        replica (STRICT_PACK: one node), the replica in bundle 0, ranks 1.. in the others."""
+        replica (STRICT_PACK: one node), the replica in bundle 0, ranks 1.. in the others.
+        ``signal``: the pool's own autoscaling signal (``deployments/autoscaling.py``);
+        None: Serve's default (ongoing requests)."""
         actor: dict = {"num_cpus": self.num_cpus}
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
@@ -52,19 +70,36 @@ class Scaling(BaseModel):
             actor["resources"] = dict(self.resources)
         opts: dict = {"ray_actor_options": actor,
                       "max_ongoing_requests": self.max_ongoing_requests,
-                      "max_queued_requests": self.max_queued_requests}
+                      "max_queued_requests": self.max_queued_requests,
+                      "graceful_shutdown_timeout_s": self.drain_s,
+                      "graceful_shutdown_wait_loop_s": 0.5}
         if self.min_replicas == self.max_replicas:
             opts["num_replicas"] = self.min_replicas
         else:
-            opts["autoscaling_config"] = {
-                "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
-                "target_ongoing_requests": self.target_ongoing_requests,
-            }
+            opts["autoscaling_config"] = self.autoscaling_config(signal)
         if tp_size > 1:
             opts["placement_group_bundles"] = [self.bundle() for _ in range(tp_size)]
             opts["placement_group_strategy"] = "STRICT_PACK"
             opts["health_check_period_s"] = 1.0  # a failed group is replaced quickly
         return opts
+
+
+    def autoscaling_config(self, signal: str | None = None) -> dict:
+        """Serve's ``autoscaling_config``: bounds, delays, and the pool's policy."""
+        cfg: dict = {
+            "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "downscale_to_zero_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.look_back_period_s,
+            "metrics_interval_s": self.metrics_interval_s,
+        }
+        if signal is not None:
+            cfg["policy"] = {"policy_function": "deployments.autoscaling:PoolPolicy",
+                             "policy_kwargs": {"signal": signal,
+                                               "target_busy": self.target_busy}}
+        return cfg
 
 
 class Models(BaseModel):
@@ -89,6 +124,9 @@ class RouterOptions(BaseModel):
     call_timeout_s: float = Field(30.0, gt=0, description="per-call deadline router->replica")
     target_retries: int = Field(8, ge=0, le=20, description="reconnects to a target replica "
                                 "(backoff 0.25 s doubling to 4 s) before UNAVAILABLE")
+    drafter_lease_s: float = Field(2.0, gt=0, le=600, description="longest wait for a "
+                                   "drafter replica; past it the request runs without "
+                                   "speculation (a drafter pool scaled to 0 is starting one)")
     max_prompt_bytes: int = Field(256 << 10, ge=1, le=64 << 20, description="prompt text "
                                   "size limit (UTF-8 bytes), checked before tokenizing; beyond "
                                   "it INVALID_ARGUMENT")

@@ -30,6 +30,7 @@ from specserve.contract import ProposeItem, ProposeOutcome
 from specserve.engine.drafter import DrafterEngine
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
 from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
+from specserve.service.load import DRAFTING_WINDOW_S, RecentSessions
 from specserve.service.peers import SessionTracker, packed
 from specserve.service.scheduler import StepScheduler, by_session, gather
 from specserve.service.wire import propose_item_from_proto, propose_outcome_to_proto
@@ -48,6 +49,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.scheduler = StepScheduler(max_wait_s=batch_wait_s)
         self.batches = 0  # engine calls
         self.rows = 0  # items they served
+        self.compute_s = 0.0  # time in engine calls
+        # held sessions a draft model served lately (the autoscaling signal)
+        self.drafting = RecentSessions(DRAFTING_WINDOW_S)
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._batcher: asyncio.Task | None = None
         self.sessions = SessionTracker(self._release, idle_s)
@@ -57,6 +61,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def _release(self, session_id: str) -> None:
         self.engine.release(session_id)
         self.scheduler.released(session_id)
+        self.drafting.forget(session_id)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -130,8 +135,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 self.sessions.apply()
             compute_us = int((time.perf_counter() - t0) * 1e6)
             self.scheduler.stepped(compute_us / 1e6)
+            self.compute_s += compute_us / 1e6
             self.batches += 1
             self.rows += len(jobs)
+            for item, _ in jobs:
+                if item.mode == "draft" and item.k > 0:
+                    self.drafting.mark(item.session_id)
         except Exception as e:  # a failed call answers its items, never ends the batcher
             for _, answer in jobs:
                 if not answer.done():

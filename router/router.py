@@ -93,6 +93,7 @@ class RouterConfig:
     vocab_size: int
     call_timeout_s: float = 30.0
     target_retries: int = 8  # reconnect attempts, backing off 0.25 s .. 4 s (~20 s in all)
+    drafter_lease_s: float = 2.0  # longest wait for a drafter lease (a pool at 0 replicas)
     max_concurrent: int = 256  # per router replica; beyond -> RESOURCE_EXHAUSTED
 
 
@@ -194,6 +195,44 @@ class RemoteVerifier(SessionVerifier):
         raise Unavailable(f"target unavailable after {retries} retries: {last}")
 
 
+class RemoteProposer(SessionProposer):
+    """The drafter over the data path. A stream that breaks (its replica was removed by a
+    scale-down or died) is handed over once: a new lease, and the new replica rebuilds the
+    session's cache from the committed tokens. A second failure, or an error the drafter
+    answered, turns speculation off for the request (``ProposerFailed``)."""
+
+    def __init__(self, router: Router, session_id: str, lease: Lease):
+        self.router, self.session_id, self.lease = router, session_id, lease
+        self.handed_over = False
+        super().__init__(remote_send(lease, router.cfg.call_timeout_s, "drafter"))
+
+    async def propose(self, state: RequestState, k: int, traceparent: str,
+                      mode: str | None = None) -> ProposeOutcome:
+        try:
+            return await super().propose(state, k, traceparent, mode)
+        except ProposerFailed as e:
+            lost = isinstance(e.__cause__, (ConnectionError, TimeoutError))
+            if self.handed_over or not lost:
+                raise
+            self.handed_over = True
+            log.warning("drafter stream lost (%s); leasing a drafter again", e)
+            self.lease.close()
+            try:
+                self.lease = await self.router.lease_drafter(self.session_id)
+            except Exception as e2:
+                raise ProposerFailed(f"{e}; no drafter to hand over to: {e2}") from e2
+            self.router.drafter_handovers += 1
+            self.send = remote_send(self.lease, self.router.cfg.call_timeout_s, "drafter")
+            self.window.start = 0  # the new replica holds nothing
+            return await super().propose(state, k, traceparent, mode)
+
+
+def _give_back(task: asyncio.Task) -> None:
+    """A lease granted after its request stopped waiting: release it at once."""
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
+
+
 def _check_deadline(call: Call, state: RequestState | None) -> None:
     """Between rounds: a passed deadline stops the request (at most one more round ran)."""
     if call.deadline is not None and time.monotonic() >= call.deadline:
@@ -224,6 +263,8 @@ class Router:
         self.metrics = metrics  # Prometheus (Serve deployment only); None: none
         self.active = 0
         self.target_reconnects = 0  # leases renewed after a target stream broke
+        self.drafter_handovers = 0  # drafter leases renewed after a drafter stream broke
+        self._drafter_starting: asyncio.Task | None = None  # a lease still waiting
         self.timing = RoundTiming()  # bounded window of recent rounds (router_stats)
         self.totals = AcceptanceStats()
         self.cost = CostModel()  # spec=auto: verify / draft / overhead times of its rounds
@@ -285,6 +326,7 @@ class Router:
         detok = IncrementalDetokenizer(self.tok, req.stop)
         leases: dict[str, Lease] = {}
         verifier: RemoteVerifier | None = None
+        proposer: SessionProposer | None = None
         policy = None
         error: BaseException | None = None
         try:
@@ -321,6 +363,8 @@ class Router:
         finally:
             if verifier is not None:
                 leases["target"] = verifier.lease  # the last one leased
+            if isinstance(proposer, RemoteProposer):
+                leases["drafter"] = proposer.lease
             if isinstance(policy, GoodputPolicy):
                 self.priors.add(self.revisions, policy.counts)
             self._release(state, leases, observer, error)
@@ -352,12 +396,33 @@ class Router:
             state.disable_speculation("no drafter deployment")
             return None
         try:
-            leases["drafter"] = await self.drafters.acquire(state.session_id)
+            lease = await self.lease_drafter(state.session_id)
         except Exception as e:
             state.disable_speculation(f"drafter unavailable: {e}")
             return None
-        return SessionProposer(remote_send(leases["drafter"], self.cfg.call_timeout_s,
-                                           "drafter"))
+        leases["drafter"] = lease
+        return RemoteProposer(self, state.session_id, lease)
+
+    async def lease_drafter(self, session_id: str) -> Lease:
+        """A drafter lease within ``drafter_lease_s``. A pool at 0 replicas (scaled to zero)
+        answers late: the request goes on without speculation, and the lease, still
+        queued, keeps asking Serve for a replica (its cold start); once granted it is
+        given back. Meanwhile other requests do not wait for it."""
+        assert self.drafters is not None
+        if self._drafter_starting is not None and not self._drafter_starting.done():
+            raise Unavailable("the drafter pool is starting a replica")
+        task = asyncio.get_running_loop().create_task(self.drafters.acquire(session_id))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.cfg.drafter_lease_s)
+        except asyncio.CancelledError:
+            task.add_done_callback(_give_back)
+            task.cancel()
+            raise
+        if done:
+            return task.result()
+        self._drafter_starting = task
+        task.add_done_callback(_give_back)
+        raise Unavailable(f"no drafter replica within {self.cfg.drafter_lease_s:g} s")
 
     async def _verifier(self, state: RequestState) -> RemoteVerifier:
         try:

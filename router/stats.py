@@ -26,6 +26,7 @@ def router_stats(router: Router) -> dict:
         "target_compute": _pct(t["target_compute_s"]),
         "orchestration_overhead": _pct(orchestration), "router_local": _pct(local),
         "active": router.active, "target_reconnects": router.target_reconnects,
+        "drafter_handovers": router.drafter_handovers,
         "journal_degraded": router.journal.degraded,
         "journal_write_failures": router.journal.write_failures, **router.totals.to_dict(),
         "auto_cost_model": router.cost.snapshot(), "auto_prior_failures": router.priors.failures,

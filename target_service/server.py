@@ -81,6 +81,11 @@ class TargetServicer(pb_grpc.TargetServicer):
         self._batcher = loop.create_task(self._run())
         self._reaper = loop.create_task(self._reap())
 
+    @property
+    def queued(self) -> int:
+        """Rows waiting for a forward (all streams)."""
+        return self._queue.qsize()
+
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.sessions.idle_s / 4))
