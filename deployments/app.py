@@ -10,7 +10,8 @@ stream; Serve is in charge of placement, scaling, health and replica choice. A r
 *leases* a drafter and a target replica with a streaming Serve call (``session``) that
 yields the replica's data-path address and stays open until the request ends, so Serve's
 per-replica ongoing-request count is the number of open sessions: its power-of-two-choices
-routing balances sessions and its autoscaler scales by them.
+routing balances sessions. Drafter and Target report their own autoscaling signals
+(``record_autoscaling_stats``; the policies are in ``deployments/autoscaling.py``).
 """
 
 from __future__ import annotations
