@@ -56,6 +56,19 @@ def _start_replica(component: str, cfg: AppConfig, threads: int | None = None) -
     return replica
 
 
+async def _profiled(engine: Any, kind: str) -> Any:
+    """The engine's start-up cost profile (``specserve.engine.profile``), off the event
+    loop, before the replica serves; None if it fails (spec=auto then learns online)."""
+    from specserve.engine.profile import profile_drafter, profile_target
+
+    measure = profile_target if kind == "target" else profile_drafter
+    try:
+        return await asyncio.to_thread(measure, engine)
+    except Exception:
+        log.exception("%s cost profile failed; spec=auto starts from its defaults", kind)
+        return None
+
+
 def node_host(cfg: AppConfig) -> str:
     """The address this replica's data-path server binds and advertises: ``bind_host``, or
     the address of the Ray node it runs on (never all interfaces)."""
@@ -126,11 +139,16 @@ class TargetDeployment:
             max_queue=cfg.target.max_queue, idle_s=cfg.target.session_idle_s)
         self.address = f"{host}:{port}"
         self.busy = BusyMeter(lambda: self.servicer.metrics.compute_s)
+        self.cost_profile = await _profiled(self.engine, "target")
         log.info("target replica %s serving verify on %s", self.replica, self.address)
 
     async def session(self, session_id: str):
         async for address in _hold(self.servicer.sessions, session_id, self.address):
             yield address
+
+    async def profile(self) -> list:
+        """Verify seconds by (rows, batch tokens), measured at start (spec=auto's costs)."""
+        return self.cost_profile or []
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (``deployments/autoscaling.py``)."""
@@ -183,10 +201,15 @@ class DrafterDeployment:
             max_batch=cfg.drafter.max_batch, batch_wait_s=cfg.drafter.batch_wait_ms / 1000)
         self.address = f"{host}:{port}"
         self.busy = BusyMeter(lambda: self.servicer.compute_s)
+        self.cost_profile = await _profiled(self.engine, "drafter")
 
     async def session(self, session_id: str):
         async for address in _hold(self.servicer.sessions, session_id, self.address):
             yield address
+
+    async def profile(self) -> float | None:
+        """Seconds per draft token, measured at start (spec=auto's costs)."""
+        return self.cost_profile
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (``deployments/autoscaling.py``)."""

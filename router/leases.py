@@ -65,6 +65,9 @@ class StaticPool(_MuxCache):
     async def acquire(self, session_id: str) -> Lease:
         return Lease(self.mux(next(self._cycle)))
 
+    async def profile(self) -> None:
+        return None  # fixed addresses: no replica to ask
+
 
 class ServeLeasePool(_MuxCache):
     """Leases through the deployment's streaming ``session`` method."""
@@ -72,7 +75,12 @@ class ServeLeasePool(_MuxCache):
     def __init__(self, handle, kind: str, secret: str | None = None,
                  max_message_bytes: int = 32 << 20):
         super().__init__(kind, secret, max_message_bytes)
+        self._plain = handle
         self._handle = handle.options(stream=True)
+
+    async def profile(self) -> object:
+        """A replica's start-up cost profile (``specserve.engine.profile``)."""
+        return await self._plain.profile.remote()
 
     async def acquire(self, session_id: str) -> Lease:
         gen = self._handle.session.remote(session_id)

@@ -76,6 +76,8 @@ _RUN_AHEAD = 4
 class LeasePool(Protocol):
     async def acquire(self, session_id: str) -> Lease: ...
 
+    async def profile(self) -> Any: ...  # a replica's start-up cost profile, or None
+
 
 @dataclass
 class RouterChunk:
@@ -269,6 +271,7 @@ class Router:
         self.totals = AcceptanceStats()
         self.cost = CostModel()  # spec=auto: verify / draft / overhead times of its rounds
         self.priors = priors or PriorStore(None)  # spec=auto: the fleet's acceptance
+        self._calibration: asyncio.Task | None = None  # replicas' profiles -> cost model
 
     async def generate(self, req: GenerationRequest, request_id: str | None = None,
                        parent: Context | None = None,
@@ -339,7 +342,10 @@ class Router:
                 return
             proposer = await self._proposer(state, leases)
             verifier = await self._verifier(state)
-            priors = await self.priors.read(self.revisions) if state.spec == "auto" else None
+            priors = None
+            if state.spec == "auto":
+                self._calibrate()
+                priors = await self.priors.read(self.revisions)
             policy = policy_for(state, self.cost, self.drafters is not None, priors)
             rounds = speculate(state, proposer, verifier, policy, observer, detok)
             # the next round runs while this one is journaled and streamed; on any exit the
@@ -368,6 +374,24 @@ class Router:
             if isinstance(policy, GoodputPolicy):
                 self.priors.add(self.revisions, policy.counts)
             self._release(state, leases, observer, error)
+
+    def _calibrate(self) -> None:
+        """Once per router, at its first spec=auto request, in the background: the
+        replicas' start-up profiles (verify time over a rows x drafts grid, draft time per
+        token) seed the cost model. Until then, or if a pool does not answer within 5 s,
+        the defaults (learned online)."""
+        if self._calibration is None:
+            self._calibration = asyncio.get_running_loop().create_task(self._profiles())
+
+    async def _profiles(self) -> None:
+        got: list[Any] = [None, None]
+        for i, pool in enumerate((self.targets, self.drafters)):
+            if pool is not None:
+                try:
+                    got[i] = await asyncio.wait_for(pool.profile(), 5.0)
+                except Exception as e:  # an optimisation: it never fails a request
+                    log.info("no cost profile from the %s pool: %r", ("target", "drafter")[i], e)
+        self.cost.seed(got[0] or [], got[1])
 
     def _resume(self, state: RequestState, detok: IncrementalDetokenizer,
                 entry: Entry | None) -> RouterChunk | None:

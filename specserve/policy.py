@@ -141,6 +141,7 @@ class CostModel:
     call_s: dict[str, float] = field(default_factory=dict)  # proposer -> fixed call time
     overhead_s: float = 0.0
     row_tokens: float = 1.5  # committed tokens per row per round, over recent rounds
+    profiled: int = 0  # verify points seeded from replicas' start-up profiles
 
     def verify_s(self, rows: float, tokens: float) -> float:
         x = np.array([1.0, rows, tokens - rows])
@@ -157,7 +158,19 @@ class CostModel:
                 round(1000 * self.draft_token_s, 3) if self.draft_token_s else None,
                 "call_ms": {p: round(1000 * v, 3) for p, v in self.call_s.items()},
                 "overhead_ms": round(1000 * self.overhead_s, 3),
-                "row_tokens": round(self.row_tokens, 3)}
+                "row_tokens": round(self.row_tokens, 3), "profiled": self.profiled}
+
+    def seed(self, verify: Sequence[tuple[int, int, float]],
+             draft_token_s: float | None = None) -> None:
+        """Start from replicas' start-up profiles (``specserve.engine.profile``): verify
+        seconds by (rows, batch tokens) over a grid, and the draft model's per-token time.
+        Online observations then take over (the fit decays old ones)."""
+        for rows, tokens, seconds in verify:
+            if rows > 0 and tokens >= rows and seconds > 0:
+                self.verify.observe(rows, tokens, seconds)
+                self.profiled += 1
+        if draft_token_s and self.draft_token_s is None:
+            self.draft_token_s = draft_token_s
 
     def propose_s(self, proposer: str | None, k: int) -> float:
         if proposer is None or k == 0:

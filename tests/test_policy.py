@@ -178,6 +178,29 @@ def test_cost_model_learns_verify_time_by_rows_and_drafts():
     assert fresh.verify_s(4, 8) > fresh.verify_s(4, 4) > 0
 
 
+def test_replica_profiles_seed_the_cost_model(builtin_pair):
+    """Start-up profiles over the real engines: a rows x drafts grid of verify times (its
+    sessions released afterwards) and the draft time per token; seeded, the cost model
+    predicts the profiled points before any round."""
+    from specserve.engine.lean import LeanLlama
+    from specserve.engine.profile import profile_drafter, profile_target
+
+    target = TargetEngine(builtin_pair.target)
+    points = profile_target(target, rows=(1, 8), drafts=(0, 4))
+    assert [(r, n) for r, n, _ in points] == [(1, 1), (1, 5), (8, 8), (8, 40)]
+    assert all(s > 0 for *_, s in points) and points[-1][2] > points[0][2]
+    assert len(target._sessions) == 0  # released
+    drafter = DrafterEngine(LeanLlama(builtin_pair.drafter))
+    per_token = profile_drafter(drafter)
+    assert per_token is not None and per_token > 0 and len(drafter._sessions) == 0
+    assert profile_drafter(DrafterEngine(None)) is None
+    cost = CostModel()
+    cost.seed(points, per_token)
+    assert cost.profiled == 4 and cost.draft_token_s == per_token
+    for rows, tokens, seconds in points:
+        assert cost.verify_s(rows, tokens) == pytest.approx(seconds, rel=0.5)
+
+
 def test_explicit_modes_keep_fixed_k():
     st = state(spec="draft")
     assert isinstance(policy_for(st, CostModel(), True), FixedK)
