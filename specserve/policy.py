@@ -6,7 +6,7 @@ Every round, for one request, each candidate (nobody, prompt lookup with k up to
 the draft model with k up to K_max) is scored by the goodput of the target batch it joins::
 
     E(k)      = 1 + sum_{j=1..k} prod_{i<j} alpha_i          (expected committed tokens)
-    time(k)   = overhead + propose(k) / (1 + others) + verify(others + 1, tokens + k + 1)
+    time(k)   = overhead + propose(k) * share + verify(others + 1, tokens + k + 1)
     goodput   = (others * m + E(k)) / time(k)
 
 alpha_i: this request's acceptance estimate at draft position i for that proposer (an
@@ -15,8 +15,12 @@ verify(rows, tokens): the target's forward time (a + b_row rows + b_draft drafts
 online to the replies' compute times); propose(k): the proposer's call, for the draft model
 a per-token time (online), for prompt lookup its call alone; others, tokens, m:
 the other rows of the batch plus the target's queue (from the last verify reply) and the
-committed tokens each gets per round. Under load the others dominate and extra tokens
-only slow them, so k falls smoothly to 0 (spec-off); there is no table of steps.
+committed tokens each gets per round; share: how much of the proposer's time the batch
+waits for. The target's step waits for every row whose reply is out (its cohort), so a
+row that drafts while no other row of its batch does holds up the whole batch (share 1),
+while rows that draft together are served in one drafter step (share 1 / rows). Under
+load the others dominate and extra tokens only slow them, so k falls smoothly to 0
+(spec-off); there is no table of steps.
 
 Each plan says why: ``goodput`` (speculating pays), ``low_acceptance`` (it would not pay
 even alone), ``saturated`` (it would pay alone, not in this batch), ``no_lookup_match``
@@ -205,6 +209,7 @@ class Load:
 
     rows: int = 0
     tokens: float = 0.0
+    drafting: bool = False  # some other row of the batch carried drafts
 
 
 class GoodputPolicy:
@@ -233,11 +238,13 @@ class GoodputPolicy:
 
     def score(self, proposer: str | None, k: int, load: Load) -> tuple[float, Plan]:
         """The batch's goodput (tokens / s) with this row's plan (its expected committed
-        tokens and the round time). The proposer's time delays this row alone: the target
-        works on the other rows meanwhile, so it counts for 1 / (rows) of the batch."""
+        tokens and the round time). The proposer's time: shared by the batch's drafting
+        rows when others draft too (one drafter step serves them all), the whole batch's
+        wait when this row would be the only one (the cohort waits for it)."""
         c = self.cost
         e = self.acceptance[proposer].expected(k) if proposer else 1.0
-        t = c.overhead_s + c.propose_s(proposer, k) / (1 + load.rows) + \
+        share = 1.0 / (1 + load.rows) if load.drafting else 1.0
+        t = c.overhead_s + c.propose_s(proposer, k) * share + \
             c.verify_s(load.rows + 1, load.tokens + 1 + k)
         return (load.rows * c.row_tokens + e) / t, Plan(proposer, k, "goodput", e, t)
 
@@ -287,7 +294,8 @@ class GoodputPolicy:
             others = (v.batch_tokens or v.batch_size * own) - own
             per_row = others / (v.batch_size - 1) if v.batch_size > 1 else 1.0
             self.load = Load(v.batch_size - 1 + v.queue_rows,
-                             others + v.queue_rows * max(per_row, 1.0))
+                             others + v.queue_rows * max(per_row, 1.0),
+                             drafting=others > v.batch_size - 1)
         p = o.plan.proposer
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)

@@ -39,7 +39,7 @@ def state(prompt=NO_MATCH, temperature=0.0, **kw):
 
 
 def outcome(plan: Plan, accepted: int, batch_size=1, queue_rows=0, verify_s=None,
-            propose_s=0.002) -> RoundOutcome:
+            propose_s=0.002, others_drafts=0) -> RoundOutcome:
     """A round's outcome in a batch whose other rows are plain (k = 0); the target's time
     is 20 ms + 2 ms per token in the forward (compute-bound: a draft costs what a row does)."""
     drafts = list(range(plan.k))
@@ -47,7 +47,7 @@ def outcome(plan: Plan, accepted: int, batch_size=1, queue_rows=0, verify_s=None
     proposal = ProposeOutcome(drafts, None, call=CallInfo(compute_s=propose_s * plan.k))
     verdict = VerifyOutcome(accepted, 1, accepted == plan.k, batch_size=batch_size,
                             call=CallInfo(compute_s=verify_s), queue_rows=queue_rows,
-                            batch_tokens=batch_size + plan.k)
+                            batch_tokens=batch_size + plan.k + others_drafts)
     decision = decide_commit(10, drafts, accepted, 1)
     return RoundOutcome(0, plan.k, proposal, verdict, decision, decision.tokens, None,
                         propose_s * plan.k, verify_s, verify_s + propose_s * plan.k, [],
@@ -120,6 +120,20 @@ def test_k_shrinks_smoothly_with_load():
     assert ks[0] > 1 and ks[-1] == 0
     assert ks == sorted(ks, reverse=True)
     assert len(set(ks)) > 2  # intermediate k on the way, not a single threshold
+
+
+def test_drafting_alone_in_a_batch_costs_the_whole_batch():
+    """The target's step waits for its cohort: a row that would draft while the other rows
+    do not holds them all up (the full drafter time), one that drafts with them shares one
+    drafter step. So in a full batch, speculation is all or nothing, never a mix."""
+    def k_in_batch(others_drafts: int) -> int:
+        policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+        st = state()
+        run_history(policy, st, accept=mostly, rounds=6, batch_size=12,
+                    propose_s=0.01, others_drafts=others_drafts)
+        return policy.choose(st).k
+
+    assert k_in_batch(others_drafts=0) < k_in_batch(others_drafts=2 * 11)
 
 
 def test_prompt_lookup_only_where_it_matches():
