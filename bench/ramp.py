@@ -60,7 +60,8 @@ class Phase:
 
 def ramp_plan(peak: int, minutes: float, wait_max_s: float) -> list[Phase]:
     """1, 2, 4, ... peak in equal steps (35 % of the time), the peak (25 %, until both
-    pools scaled up), then back to 1 (40 %, until pools and nodes are back)."""
+    pools scaled up and none of their replicas is STARTING), then back to 1 (40 %, until
+    pools and nodes are back)."""
     total = minutes * 60.0
     levels = [1]
     while levels[-1] * 2 < peak:
@@ -218,8 +219,9 @@ class Sampler:
 
 def conditions(initial: dict) -> dict[str, Callable[[dict], bool]]:
     """The events a phase may wait for, on one sample."""
-    def up(s: dict) -> bool:
-        return all(s["replicas"].get(d, 0) > initial["replicas"][d] for d in POOLS)
+    def up(s: dict) -> bool:  # both pools above their start, none still STARTING
+        return all(s["replicas"].get(d, 0) > initial["replicas"][d]
+                   and not s["replica_states"].get(d, {}).get("STARTING") for d in POOLS)
 
     def down(s: dict) -> bool:
         return (all(s["replicas"].get(d, 0) <= initial["replicas"][d] for d in POOLS)
@@ -269,9 +271,11 @@ def _latency(reqs: list[dict]) -> dict:
 def scale_times(series: list[tuple[float, int]], initial: int, rise_t: float,
                 drop_t: float) -> dict:
     """From (t, count) samples: when the count first went above ``initial`` after
-    ``rise_t`` and when (after ``drop_t``) it was back at ``initial`` for good."""
+    ``rise_t`` (``up_s``) and first reached its peak (``peak_s``), and when (after
+    ``drop_t``) it was back at ``initial`` for good (``down_s``)."""
     peak = max((c for _, c in series), default=initial)
     up_at = next((t for t, c in series if t >= rise_t and c > initial), None)
+    peak_at = next((t for t, c in series if t >= rise_t and c == peak > initial), None)
     above = [t for t, c in series if c > initial]
     down_at = None
     if above and above[-1] >= drop_t:
@@ -280,6 +284,7 @@ def scale_times(series: list[tuple[float, int]], initial: int, rise_t: float,
         down_at = drop_t  # back before the drop (would be odd; reported as 0)
     return {"initial": initial, "peak": peak,
             "up_at_s": up_at, "up_s": None if up_at is None else round(up_at - rise_t, 2),
+            "peak_s": None if peak_at is None else round(peak_at - rise_t, 2),
             "down_at_s": down_at,
             "down_s": None if down_at is None else round(down_at - drop_t, 2)}
 
@@ -291,8 +296,10 @@ def _not_stopping(sample: dict, deployment: str) -> int:
 
 def summarize(samples: list[dict], requests: list[dict], windows: list[dict],
               args: argparse.Namespace, initial: dict) -> dict:
-    """Time to scale up (from the first level above one replica's target) and down (from
-    the drop to 1) per pool and node type; latency; tok/s per phase; failures."""
+    """Time to scale up (from the first level above one replica's target: ``decided_s``
+    Serve added a replica, ``up_s`` one more RUNNING) and down (from the drop to 1) per
+    pool and node type; latency; per phase the latency of the requests started in it and
+    the tokens/s of those that ended in it; failures and mismatches."""
     rise = next((w["start"] for w in windows if w["concurrency"] > args.per_replica),
                 windows[0]["start"])
     drop = next(w["start"] for w in windows if w["name"] == "drop")
@@ -305,13 +312,14 @@ def summarize(samples: list[dict], requests: list[dict], windows: list[dict],
     nodes = {n: scale_times([(s["t"], s["nodes"].get(n, 0)) for s in samples],
                             initial["nodes"][n], rise, drop) for n in POOLS.values()}
     phases = []
-    for w in windows:
-        inside = [r for r in requests if w["start"] <= r["end"] < w["end"]]
+    for w in windows:  # latency of the requests started in it, tok/s of those ended
+        started = [r for r in requests if w["start"] <= r["start"] < w["end"]]
+        ended = [r for r in requests if w["start"] <= r["end"] < w["end"]]
         secs = max(1e-9, w["end"] - w["start"])
         phases.append({"name": w["name"], "concurrency": w["concurrency"],
                        "start_s": round(w["start"], 2), "duration_s": round(secs, 2),
-                       "event_met": w["event_met"], **_latency(inside),
-                       "tok_s": round(sum(r["tokens"] for r in inside) / secs, 2)})
+                       "event_met": w["event_met"], **_latency(started),
+                       "tok_s": round(sum(r["tokens"] for r in ended) / secs, 2)})
     return {"load_rise_s": round(rise, 2), "load_drop_s": round(drop, 2),
             "pools": pools, "nodes": nodes, "latency": _latency(requests),
             "phases": phases, "requests": len(requests),
@@ -323,10 +331,11 @@ def summarize(samples: list[dict], requests: list[dict], windows: list[dict],
 
 def tokens_per_s(requests: list[dict], end: float, bin_s: float = 5.0) -> tuple[list, list]:
     """Tokens completed per second in ``bin_s`` bins (by request end time)."""
-    n = int(end // bin_s) + 1
+    n = max(1, int(end // bin_s))  # whole bins only
     bins = [0.0] * n
     for r in requests:
-        bins[min(n - 1, int(r["end"] // bin_s))] += r["tokens"]
+        if r["end"] < n * bin_s:
+            bins[int(r["end"] // bin_s)] += r["tokens"]
     return [i * bin_s + bin_s / 2 for i in range(n)], [b / bin_s for b in bins]
 
 
@@ -356,6 +365,13 @@ def plot(samples: list[dict], requests: list[dict], windows: list[dict], path: P
                     color=color, linestyle="--", alpha=0.7, label=f"{node} nodes")
     for w in windows:
         bottom.axvline(w["start"], color="grey", linewidth=0.5)
+    top.set_ylim(0, max((s["concurrency"] for s in samples), default=1) + 1)
+    top.yaxis.get_major_locator().set_params(integer=True)
+    rate.set_ylim(0, max(y, default=1) * 1.15)
+    most = max((max(s["replicas"].get(d, 0), s["nodes"].get(n, 0))
+                for s in samples for d, n in POOLS.items()), default=1)
+    bottom.set_ylim(0, most + 0.8)
+    bottom.yaxis.get_major_locator().set_params(integer=True)
     bottom.set_ylabel("replicas / nodes")
     bottom.set_xlabel("seconds")
     bottom.legend(loc="upper left", fontsize=7, ncol=2)
@@ -413,14 +429,17 @@ def ramp(args: argparse.Namespace, out: Path) -> dict:
     from specserve.models.corpus import heldout_prompts
 
     types = node_types(args.max_replicas)
+    began = time.monotonic()
     gcs, stop_cluster = start_node_cluster(types, {"CPU": 2}, idle_timeout_s=args.idle_s)
+    print(f"[ramp] head up at {gcs} in {time.monotonic() - began:.1f} s", flush=True)
     svc = None
     try:  # the expected outputs while the pools' first nodes start
         prompts = heldout_prompts(n=args.prompts)
         refs = references(args.target, args.drafter, prompts, args.max_tokens)
+        print(f"[ramp] references at {time.monotonic() - began:.1f} s", flush=True)
         svc = start_service(gcs, args)
         initial = wait_initial(types)
-        print(f"[ramp] service up: {initial}", flush=True)
+        print(f"[ramp] service up at {time.monotonic() - began:.1f} s: {initial}", flush=True)
         t0 = time.monotonic()
         driver = LoadDriver(svc.grpc_address, prompts, refs, args, t0)
         sampler = Sampler(driver, types, t0)
@@ -441,6 +460,7 @@ def ramp(args: argparse.Namespace, out: Path) -> dict:
     (out / "timeline.json").write_text(json.dumps(
         {"initial": initial, "phases": windows, "samples": sampler.samples,
          "requests": driver.records}, indent=1))
+    print(f"[ramp] stopped at {time.monotonic() - began:.1f} s", flush=True)
     summary = summarize(sampler.samples, driver.records, windows, args, initial)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(sampler.samples, driver.records, windows, out / "ramp.png")
