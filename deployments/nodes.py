@@ -12,7 +12,8 @@ idle for ``idle_timeout_s`` is terminated.
 
 Hygiene (a shared machine): the head gets a free GCS port (6379 may be taken), a private
 temp dir, no dashboard, usage stats off, 127.0.0.1. ``stop()`` kills only the processes
-whose command line names this cluster's temp dir (by pid), never ``ray stop`` (that kills
+whose command line names this cluster's temp dir and their descendants (by pid), never
+``ray stop`` (that kills
 every Ray process of the machine). Best is to run the whole program in its own PID
 namespace (``in_private_namespaces``): whatever survives dies with it; and in a
 loopback-only network namespace, since Ray probes 8.8.8.8 and Serve's gRPC proxy binds
@@ -137,6 +138,32 @@ def _pids_naming(text: str) -> list[int]:
     return pids
 
 
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:  # "pid (comm) state ppid ...": comm may hold spaces, split after it
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                parents[int(entry.name)] = int(fields[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return parents
+
+
+def _cluster_pids(temp_dir: str) -> list[int]:
+    """The processes naming ``temp_dir`` and their descendants (workers rename
+    themselves ``ray::...`` and keep no arguments)."""
+    found = set(_pids_naming(temp_dir))
+    parents = _parents()
+    grew = True
+    while grew:
+        more = {pid for pid, ppid in parents.items() if ppid in found} - found - {os.getpid()}
+        found |= more
+        grew = bool(more)
+    return sorted(found)
+
+
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -145,17 +172,18 @@ def _signal_all(pids: list[int], sig: int) -> None:
 
 def stop_processes_of(temp_dir: str, grace_s: float = 5.0) -> None:
     """Stop this cluster: every process whose command line names ``temp_dir`` (the head's
-    and every fake node's GCS, raylets, workers, monitor), SIGTERM then SIGKILL."""
+    and every fake node's GCS, raylet, monitor, agents) and their descendants (workers),
+    by pid, SIGTERM then SIGKILL."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
-    pids = _pids_naming(temp_dir)
+    pids = _cluster_pids(temp_dir)
     _signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and _pids_naming(temp_dir):
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
         time.sleep(0.2)
-    _signal_all(_pids_naming(temp_dir), signal.SIGKILL)
+    _signal_all(sorted(set(pids) | set(_cluster_pids(temp_dir))), signal.SIGKILL)
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
