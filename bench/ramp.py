@@ -189,8 +189,21 @@ def running_replicas() -> dict[str, dict[str, int]]:
             for name, d in app.deployments.items()}
 
 
+def queue_depths() -> dict[str, float]:
+    """The router's view (one router replica): requests in flight there, and per target
+    replica the rows its last reply said were queued and in its forward."""
+    from ray import serve
+
+    s = serve.get_deployment_handle("Router", APP).stats.remote().result(timeout_s=5)
+    targets = s.get("targets", {}).values()
+    return {"router_active": s.get("active", 0),
+            "target_queued_rows": sum(t["queued_rows"] for t in targets),
+            "target_batch_rows": sum(t["batch_rows"] for t in targets)}
+
+
 class Sampler:
-    """Every ``interval_s``: the load level, RUNNING replicas and alive nodes per type."""
+    """Every ``interval_s``: the load level, RUNNING replicas, alive nodes per type and the
+    queue depths (``queue_depths``)."""
 
     def __init__(self, driver: LoadDriver, types: dict[str, dict], t0: float,
                  interval_s: float = 1.0):
@@ -204,7 +217,8 @@ class Sampler:
         return {"t": round(time.monotonic() - self.t0, 3),
                 "concurrency": self.driver.level, "inflight": self.driver.inflight,
                 "replicas": {n: s.get("RUNNING", 0) for n, s in states.items()},
-                "replica_states": states, "nodes": nodes_by_type(self.types)}
+                "replica_states": states, "nodes": nodes_by_type(self.types),
+                "queues": queue_depths()}
 
     def _loop(self) -> None:
         while not self.done.wait(self.interval_s):
@@ -319,7 +333,8 @@ def summarize(samples: list[dict], requests: list[dict], windows: list[dict],
         phases.append({"name": w["name"], "concurrency": w["concurrency"],
                        "start_s": round(w["start"], 2), "duration_s": round(secs, 2),
                        "event_met": w["event_met"], **_latency(started),
-                       "tok_s": round(sum(r["tokens"] for r in ended) / secs, 2)})
+                       "tok_s": round(sum(r["tokens"] for r in ended) / secs, 2),
+                       **_queues([x for x in samples if w["start"] <= x["t"] < w["end"]])})
     return {"load_rise_s": round(rise, 2), "load_drop_s": round(drop, 2),
             "pools": pools, "nodes": nodes, "latency": _latency(requests),
             "phases": phases, "requests": len(requests),
@@ -327,6 +342,15 @@ def summarize(samples: list[dict], requests: list[dict], windows: list[dict],
             "mismatches": sum(bool(r["mismatch"]) for r in requests),
             "tokens": sum(r["tokens"] for r in requests),
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+
+def _queues(samples: list[dict]) -> dict:
+    """A phase's queue depths: mean target rows in forward, most rows queued at targets."""
+    q = [x["queues"] for x in samples if x.get("queues")]
+    if not q:
+        return {"target_batch_rows_mean": None, "target_queued_rows_max": None}
+    return {"target_batch_rows_mean": round(sum(x["target_batch_rows"] for x in q) / len(q), 2),
+            "target_queued_rows_max": max(x["target_queued_rows"] for x in q)}
 
 
 def tokens_per_s(requests: list[dict], end: float, bin_s: float = 5.0) -> tuple[list, list]:
@@ -340,14 +364,15 @@ def tokens_per_s(requests: list[dict], end: float, bin_s: float = 5.0) -> tuple[
 
 
 def plot(samples: list[dict], requests: list[dict], windows: list[dict], path: Path) -> None:
-    """Top: concurrency and tok/s; bottom: RUNNING replicas per pool and nodes per type."""
+    """Top: concurrency and tok/s; middle: queue depths; bottom: RUNNING replicas per pool
+    and nodes per type."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     t = [s["t"] for s in samples]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.2), sharex=True, dpi=90)
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 7.2), sharex=True, dpi=90)
     top.step(t, [s["concurrency"] for s in samples], where="post", color="black",
              label="concurrency")
     top.set_ylabel("concurrency")
@@ -368,6 +393,14 @@ def plot(samples: list[dict], requests: list[dict], windows: list[dict], path: P
     top.set_ylim(0, max((s["concurrency"] for s in samples), default=1) + 1)
     top.yaxis.get_major_locator().set_params(integer=True)
     rate.set_ylim(0, max(y, default=1) * 1.15)
+    middle.step(t, [s.get("queues", {}).get("target_batch_rows", 0) for s in samples],
+                where="post", color="tab:purple", label="target rows in forward (all)")
+    middle.step(t, [s.get("queues", {}).get("target_queued_rows", 0) for s in samples],
+                where="post", color="tab:orange", label="target rows queued (all)")
+    middle.step(t, [s.get("queues", {}).get("router_active", 0) for s in samples],
+                where="post", color="grey", linestyle=":", label="requests in the router")
+    middle.set_ylabel("rows / requests")
+    middle.legend(loc="upper left", fontsize=7, ncol=3)
     most = max((max(s["replicas"].get(d, 0), s["nodes"].get(n, 0))
                 for s in samples for d, n in POOLS.items()), default=1)
     bottom.set_ylim(0, most + 0.8)

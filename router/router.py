@@ -179,7 +179,10 @@ class RemoteVerifier(SessionVerifier):
         last: BaseException | None = None
         for attempt in range(retries + 1):
             try:
-                return await super().verify(state, proposal, traceparent)
+                verdict = await super().verify(state, proposal, traceparent)
+                self.router.target_load[self.lease.mux.address] = (
+                    verdict.batch_size, verdict.queue_rows, time.monotonic())
+                return verdict
             except (StreamBroken, TimeoutError) as e:
                 last = e
                 log.warning("target call failed (%s); picking a replica again", e)
@@ -266,6 +269,8 @@ class Router:
         self.active = 0
         self.target_reconnects = 0  # leases renewed after a target stream broke
         self.drafter_handovers = 0  # drafter leases renewed after a drafter stream broke
+        # per target replica (address): its last reply's batch rows and queued rows, when
+        self.target_load: dict[str, tuple[int, int, float]] = {}
         self._drafter_starting: asyncio.Task | None = None  # a lease still waiting
         self.timing = RoundTiming()  # bounded window of recent rounds (router_stats)
         self.totals = AcceptanceStats()

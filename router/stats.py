@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from router.router import Router
@@ -26,11 +28,19 @@ def router_stats(router: Router) -> dict:
         "target_compute": _pct(t["target_compute_s"]),
         "orchestration_overhead": _pct(orchestration), "router_local": _pct(local),
         "active": router.active, "target_reconnects": router.target_reconnects,
-        "drafter_handovers": router.drafter_handovers,
+        "drafter_handovers": router.drafter_handovers, "targets": _target_load(router),
         "journal_degraded": router.journal.degraded,
         "journal_write_failures": router.journal.write_failures, **router.totals.to_dict(),
         "auto_cost_model": router.cost.snapshot(), "auto_prior_failures": router.priors.failures,
     }
+
+
+def _target_load(router: Router, fresh_s: float = 5.0) -> dict[str, dict]:
+    """Per target replica this router heard from in the last ``fresh_s``: the rows of its
+    last forward and the rows queued behind it (what its replies reported)."""
+    now = time.monotonic()
+    return {addr: {"batch_rows": b, "queued_rows": q, "age_s": round(now - t, 3)}
+            for addr, (b, q, t) in router.target_load.items() if now - t < fresh_s}
 
 
 def reset_timing(router: Router) -> None:

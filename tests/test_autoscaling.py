@@ -162,6 +162,23 @@ def _until(cond, what: str, timeout: float = 180.0, seen: list | None = None) ->
     raise AssertionError(f"{what}: replicas {_running()} after {timeout:.0f} s")
 
 
+def _router_hears_from(n: int, timeout: float = 60.0) -> None:
+    """Wait until the router's stats list ``n`` target replicas with fresh replies (their
+    batch rows and queued rows)."""
+    from ray import serve
+
+    router = serve.get_deployment_handle("Router", SCALE)
+    t0, targets = time.monotonic(), {}
+    while time.monotonic() - t0 < timeout:
+        targets = router.stats.remote().result()["targets"]
+        if len(targets) >= n:
+            assert all(t["batch_rows"] >= 1 and t["queued_rows"] >= 0
+                       for t in targets.values()), targets
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"the router heard from {len(targets)} target replicas: {targets}")
+
+
 def _handovers(service) -> int:
     from ray import serve
 
@@ -175,6 +192,7 @@ def _cycle(service, prompts: list[str]) -> tuple[list, int]:
     (drain_s 0) and their routers hand the sessions over."""
     load = Load(service.grpc_address, prompts, 8, "draft")
     _until(lambda c: c == {"Drafter": 2, "Target": 2}, "both up on drafting load")
+    _router_hears_from(2)  # the new target replica takes sessions (its queue is reported)
     light = Load(service.grpc_address, prompts, 3, "draft")
     results = load.stop()
     before = _handovers(service)

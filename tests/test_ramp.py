@@ -44,6 +44,9 @@ def test_pools_and_nodes_follow_a_load_ramp(tmp_path):
         assert first["replicas"][pool] == 1 and last["replicas"][pool] == 1, pool
         assert first["nodes"][node_type] == 1 and last["nodes"][node_type] == 1, node_type
         assert replicas["down_at_s"] is not None and nodes["down_at_s"] is not None
+    # queue depths sampled through the ramp (the router's view of the target replicas)
+    assert all("queues" in s for s in timeline["samples"])
+    assert max(s["queues"]["target_batch_rows"] for s in timeline["samples"]) >= 2
     phases = {p["name"]: p for p in timeline["phases"]}
     assert phases["peak"]["event_met"] and phases["drop"]["event_met"], phases
     assert (out / "ramp.png").stat().st_size > 0
