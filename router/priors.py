@@ -4,7 +4,9 @@ summed over every router replica's finished requests. A request starts from them
 policy's ``priors``) instead of a fixed guess.
 
 One small hash per (revisions, proposer), ``{prefix}{target_rev}:{drafter_rev}:{proposer}``,
-fields ``t{i}`` (tried) and ``a{i}`` (accepted). Off the per-round path: read at request
+fields ``t{i}`` (tried) and ``a{i}`` (accepted); and one per workload class a request names
+(``...:{proposer}:w:{class}``), which a request of that class starts from where it has
+enough observations. Off the per-round path: read at request
 start (cached for ``cache_s`` per router), added to at request end by a background task.
 Redis away or failing: the request uses the built-in prior; failures are counted
 (``failures``, and ``on_error(op)`` for the metrics), never raised.
@@ -30,7 +32,8 @@ class PriorStore:
                  cache_s: float = 5.0, on_error: Callable[[str], None] | None = None):
         self.prefix, self.cache_s, self.on_error = prefix, cache_s, on_error
         self.failures = 0
-        self._cache: dict[tuple[str, str], tuple[float, dict[str, list[float]]]] = {}
+        self._cache: dict[tuple[tuple[str, str], str | None],
+                          tuple[float, dict[str, list[float]]]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._redis = None
         if redis_url:
@@ -39,49 +42,62 @@ class PriorStore:
             self._redis = aioredis.from_url(redis_url, socket_timeout=0.5,
                                             socket_connect_timeout=0.5)
 
-    def key(self, revisions: tuple[str, str], proposer: str) -> str:
-        return f"{self.prefix}{revisions[0]}:{revisions[1]}:{proposer}"
+    def key(self, revisions: tuple[str, str], proposer: str,
+            workload: str | None = None) -> str:
+        base = f"{self.prefix}{revisions[0]}:{revisions[1]}:{proposer}"
+        return base if workload is None else f"{base}:w:{workload}"
 
-    async def read(self, revisions: tuple[str, str]) -> dict[str, list[float]] | None:
+    async def read(self, revisions: tuple[str, str],
+                   workload: str | None = None) -> dict[str, list[float]] | None:
         """Per proposer, the fleet's acceptance rate at each draft position (a position
-        with too few observations, and those after it, are left out); None: no store."""
+        with too few observations, and those after it, are left out); None: no store. With
+        a workload class: the class's rates where it has enough observations, the pair's
+        beyond them."""
         if self._redis is None:
             return None
-        hit = self._cache.get(revisions)
+        hit = self._cache.get((revisions, workload))
         if hit is not None and time.monotonic() - hit[0] < self.cache_s:
             return hit[1]
+        classes = [None] if workload is None else [None, workload]
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                for p in PROPOSERS:
-                    pipe.hgetall(self.key(revisions, p))
+                for w in classes:
+                    for p in PROPOSERS:
+                        pipe.hgetall(self.key(revisions, p, w))
                 raw = await pipe.execute()
         except Exception as e:
             self._fail("read", e)
             return None
-        priors = {p: rates(h) for p, h in zip(PROPOSERS, raw, strict=True)}
-        self._cache[revisions] = (time.monotonic(), priors)
+        pair = [rates(h) for h in raw[: len(PROPOSERS)]]
+        own = [rates(h) for h in raw[len(PROPOSERS):]] or [[] for _ in PROPOSERS]
+        priors = {p: [*mine, *fleet[len(mine):]]
+                  for p, fleet, mine in zip(PROPOSERS, pair, own, strict=True)}
+        self._cache[(revisions, workload)] = (time.monotonic(), priors)
         return priors
 
-    def add(self, revisions: tuple[str, str], counts: dict[str, list[list[int]]]) -> None:
-        """Add one request's (tried, accepted) per position and proposer, in the background."""
+    def add(self, revisions: tuple[str, str], counts: dict[str, list[list[int]]],
+            workload: str | None = None) -> None:
+        """Add one request's (tried, accepted) per position and proposer, in the background
+        (to the pair's totals, and to its workload class's when it has one)."""
         if self._redis is None or not any(any(t) for t, _ in counts.values()):
             return
-        task = asyncio.get_running_loop().create_task(self._add(revisions, counts))
+        task = asyncio.get_running_loop().create_task(self._add(revisions, counts, workload))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _add(self, revisions: tuple[str, str],
-                   counts: dict[str, list[list[int]]]) -> None:
+    async def _add(self, revisions: tuple[str, str], counts: dict[str, list[list[int]]],
+                   workload: str | None) -> None:
         assert self._redis is not None
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                for p, (tried, accepted) in counts.items():
-                    key = self.key(revisions, p)
-                    for i, (t, a) in enumerate(zip(tried, accepted, strict=True)):
-                        if t:
-                            pipe.hincrby(key, f"t{i}", t)
-                            pipe.hincrby(key, f"a{i}", a)
-                    pipe.expire(key, TTL_S)
+                for w in [None] if workload is None else [None, workload]:
+                    for p, (tried, accepted) in counts.items():
+                        key = self.key(revisions, p, w)
+                        for i, (t, a) in enumerate(zip(tried, accepted, strict=True)):
+                            if t:
+                                pipe.hincrby(key, f"t{i}", t)
+                                pipe.hincrby(key, f"a{i}", a)
+                        pipe.expire(key, TTL_S)
                 await pipe.execute()
         except Exception as e:
             self._fail("write", e)

@@ -350,7 +350,7 @@ class Router:
             priors = None
             if state.spec == "auto":
                 self._calibrate()
-                priors = await self.priors.read(self.revisions)
+                priors = await self.priors.read(self.revisions, req.workload)
             policy = policy_for(state, self.cost, self.drafters is not None, priors)
             rounds = speculate(state, proposer, verifier, policy, observer, detok)
             # the next round runs while this one is journaled and streamed; on any exit the
@@ -377,7 +377,7 @@ class Router:
             if isinstance(proposer, RemoteProposer):
                 leases["drafter"] = proposer.lease
             if isinstance(policy, GoodputPolicy):
-                self.priors.add(self.revisions, policy.counts)
+                self.priors.add(self.revisions, policy.counts, req.workload)
             self._release(state, leases, observer, error)
 
     def _calibrate(self) -> None:

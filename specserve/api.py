@@ -54,6 +54,10 @@ class GenerationRequest(BaseModel):
     spec: SpecMode = Field(SpecMode.AUTO, description="speculation mode")
     k: int = Field(4, ge=0, le=MAX_K, description="draft tokens per round (auto: the most)")
     request_id: str | None = Field(None, max_length=128)
+    workload: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]{1,32}$", description="workload class, e.g. 'code' or "
+        "'chat' (letters, digits, '_', '.', '-'; at most 32): spec=auto starts from the "
+        "fleet's acceptance for this class; never changes the output")
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="the target's logprob of each generated "
         "token and the top-n alternatives (0..20); None = none")

@@ -46,6 +46,9 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                         "(prompt lookup); default auto")
     p.add_argument("--k", type=int, default=4,
                    help="draft tokens per round (0-16, default 4; auto: the most)")
+    p.add_argument("--workload", default=None,
+                   help="workload class, e.g. code or chat (spec=auto starts from the "
+                        "fleet's acceptance for it; never changes the output)")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -64,7 +67,7 @@ def request_from_args(args: argparse.Namespace, prompt: str):
         return GenerationRequest(
             prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-            spec=args.spec, k=args.k,
+            spec=args.spec, k=args.k, workload=args.workload,
         )
     except ValidationError as e:
         raise UsageError(describe_validation_error(e)) from None
@@ -99,7 +102,7 @@ def stream_to(out: IO[str], client, args: argparse.Namespace) -> tuple[dict, str
     for chunk in client.stream(
         args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-        spec=args.spec, k=args.k,
+        spec=args.spec, k=args.k, workload=args.workload,
     ):
         out.write(chunk.text)
         out.flush()

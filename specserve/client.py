@@ -147,7 +147,7 @@ def _check(name: str, value: Any, types: type | tuple[type, ...], *, minimum: fl
 def _build_request(
     prompt: str | None, prompt_ids: Sequence[int] | None, max_tokens: int, temperature: float,
     top_k: int, top_p: float, seed: int | None, stop: Sequence[str], spec: str, k: int,
-    request_id: str | None, logprobs: int | None = None,
+    request_id: str | None, logprobs: int | None = None, workload: str | None = None,
 ) -> pb.GenerateRequest:
     """The wire request; light type checks only (the server validates values)."""
     _check("prompt", prompt, str, optional=True)
@@ -182,6 +182,8 @@ def _build_request(
     _check("logprobs", logprobs, int, minimum=0, optional=True)
     if logprobs is not None:
         msg.logprobs = logprobs
+    _check("workload", workload, str, optional=True)
+    msg.workload = workload or ""
     return msg
 
 
@@ -308,10 +310,11 @@ class Client(_Base):
                  max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                  spec: str = "auto", k: int = 4, request_id: str | None = None,
-                 timeout: float | None = None, logprobs: int | None = None) -> Result:
+                 timeout: float | None = None, logprobs: int | None = None,
+                 workload: str | None = None) -> Result:
         """The whole generation in one call (the unary RPC)."""
         req = _build_request(prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed,
-                             stop, spec, k, request_id, logprobs)
+                             stop, spec, k, request_id, logprobs, workload)
         deadline = self._deadline(timeout)
         metadata = self._metadata(req.request_id)
         attempt = 0
@@ -333,11 +336,12 @@ class Client(_Base):
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                spec: str = "auto", k: int = 4, request_id: str | None = None,
                timeout: float | None = None,
-               logprobs: int | None = None) -> Generator[Chunk, None, None]:
+               logprobs: int | None = None,
+               workload: str | None = None) -> Generator[Chunk, None, None]:
         """Text deltas as they are generated. Arguments are checked now; the call starts at
         the first ``next()``. ``close()`` the generator to cancel the call."""
         req = _build_request(prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed,
-                             stop, spec, k, request_id, logprobs)
+                             stop, spec, k, request_id, logprobs, workload)
         return self._stream(req, self._deadline(timeout))
 
     def _stream(self, req: pb.GenerateRequest, deadline: float) -> Generator[Chunk, None, None]:
@@ -400,10 +404,11 @@ class AsyncClient(_Base):
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                        seed: int | None = None, stop: Sequence[str] = (), spec: str = "auto",
                        k: int = 4, request_id: str | None = None,
-                       timeout: float | None = None, logprobs: int | None = None) -> Result:
+                       timeout: float | None = None, logprobs: int | None = None,
+                       workload: str | None = None) -> Result:
         """The whole generation in one call (the unary RPC)."""
         req = _build_request(prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed,
-                             stop, spec, k, request_id, logprobs)
+                             stop, spec, k, request_id, logprobs, workload)
         deadline = self._deadline(timeout)
         metadata = self._metadata(req.request_id)
         attempt = 0
@@ -425,12 +430,13 @@ class AsyncClient(_Base):
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                spec: str = "auto", k: int = 4, request_id: str | None = None,
                timeout: float | None = None,
-               logprobs: int | None = None) -> AsyncGenerator[Chunk, None]:
+               logprobs: int | None = None,
+               workload: str | None = None) -> AsyncGenerator[Chunk, None]:
         """Text deltas as an async iterator (``async for``). Arguments are checked now; the
         call starts at the first ``__anext__``. ``await it.aclose()`` to cancel the call
         (leaving an ``async for`` early cancels it only when the generator is finalized)."""
         req = _build_request(prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed,
-                             stop, spec, k, request_id, logprobs)
+                             stop, spec, k, request_id, logprobs, workload)
         return self._stream(req, self._deadline(timeout))
 
     async def _stream(self, req: pb.GenerateRequest,

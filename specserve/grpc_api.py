@@ -82,6 +82,7 @@ def request_from_proto(msg: pb.GenerateRequest) -> GenerationRequest:
         "k": msg.k if msg.HasField("k") else DEFAULT_K,
         "request_id": msg.request_id or None,
         "logprobs": msg.logprobs if msg.HasField("logprobs") else None,
+        "workload": msg.workload or None,
     }
     return GenerationRequest.model_validate(data)
 
@@ -92,6 +93,7 @@ def request_to_proto(req: GenerationRequest) -> pb.GenerateRequest:
         prompt=req.prompt or "", prompt_ids=req.prompt_ids or [], max_tokens=req.max_tokens,
         temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, stop=req.stop,
         spec=SPEC_TO_PROTO[str(req.spec)], k=req.k, request_id=req.request_id or "",
+        workload=req.workload or "",
     )
     if req.seed is not None:
         msg.seed = req.seed

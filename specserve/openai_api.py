@@ -6,8 +6,8 @@ Supported: ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream`` as 
 events, ``stream_options.include_usage``), ``max_tokens`` (chat: also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``n`` = 1,
 logprobs (completions: ``logprobs`` = top-n; chat: ``logprobs`` + ``top_logprobs``), and the
-extensions ``top_k``, ``spec`` and ``k``. Defaults are OpenAI's (temperature 1; completions
-16 tokens; chat: up to the context). Parameters this server cannot honour exactly
+extensions ``top_k``, ``spec``, ``k`` and ``workload``. Defaults are OpenAI's (temperature
+1; completions 16 tokens; chat: up to the context). Parameters this server cannot honour exactly
 (``n`` > 1, ``echo``, ``best_of``, penalties, ``logit_bias``, tools, ...) get a 400 naming
 the field, never a silent approximation.
 """
@@ -48,6 +48,7 @@ class _Common(BaseModel):
     spec: str | None = Field(None, description="speculation mode: auto (default), off, draft, "
                              "ngram")
     k: int | None = Field(None, description="draft tokens per round")
+    workload: str | None = Field(None, description="workload class (spec=auto's priors)")
 
     def unsupported(self) -> list[str]:
         """Fields set to what this server cannot do exactly."""
@@ -141,6 +142,8 @@ def _sampling(req: _Common) -> dict[str, Any]:
         out["spec"] = req.spec
     if req.k is not None:
         out["k"] = req.k
+    if req.workload is not None:
+        out["workload"] = req.workload
     return out
 
 

@@ -39,8 +39,9 @@ def tokens_digest(token_ids: Sequence[int]) -> str:
 
 def request_digest(content: dict[str, Any]) -> str:
     """The digest of a request's content (a ``GenerationRequest.model_dump()`` without the
-    request id): canonical JSON, so field order and defaults do not matter."""
-    content = {k: v for k, v in content.items() if k != "request_id"}
+    request id and the workload class, which change nothing it produces): canonical JSON,
+    so field order and defaults do not matter."""
+    content = {k: v for k, v in content.items() if k not in ("request_id", "workload")}
     blob = json.dumps(content, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

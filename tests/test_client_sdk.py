@@ -277,6 +277,13 @@ def test_request_from_proto_defaults() -> None:
     assert (req.prompt, req.prompt_ids, req.k, req.seed, req.top_p, req.spec, req.stop) == (
         None, [1, 2], 0, 0, 0.9, "ngram", ["\n"])
     assert request_from_proto(request_to_proto(req)) == req
+    classed = request_from_proto(pb.GenerateRequest(prompt="hi", workload="code"))
+    assert classed.workload == "code" and request_from_proto(request_to_proto(classed)) == classed
+    # the class steers spec=auto's priors only: the request's content digest ignores it
+    from specserve.resume import request_digest
+
+    assert request_digest(classed.model_dump(mode="json")) == request_digest(
+        classed.model_copy(update={"workload": None}).model_dump(mode="json"))
 
 
 @pytest.mark.parametrize(("fields", "field"), [
@@ -286,6 +293,8 @@ def test_request_from_proto_defaults() -> None:
     ({"prompt": "hi", "prompt_ids": [1]}, "prompt"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "seed": 2**63}, "seed"),
+    ({"prompt": "hi", "workload": "no spaces"}, "workload"),
+    ({"prompt": "hi", "workload": "x" * 33}, "workload"),
 ])
 def test_request_from_proto_rejects_bad_values(fields: dict[str, Any], field: str) -> None:
     with pytest.raises(ValidationError) as e:

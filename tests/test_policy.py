@@ -304,6 +304,27 @@ def test_priors_are_shared_through_redis(redis_url):
     asyncio.run(main())
 
 
+def test_priors_per_workload_class(redis_url):
+    """A request naming a class starts from the class's acceptance where the class has
+    enough observations, from the pair's beyond; its counts go to both."""
+    async def main():
+        revs = ("t2", "d2")
+        store = PriorStore(redis_url, cache_s=0)
+        store.add(revs, {"draft": [[20, 20], [20, 4]], "ngram": [[0, 0], [0, 0]]}, "code")
+        store.add(revs, {"draft": [[20, 20], [0, 0]], "ngram": [[0, 0], [0, 0]]}, "chat")
+        store.add(revs, {"draft": [[0, 0], [0, 0]], "ngram": [[20, 0], [10, 0]]}, "chat")
+        await store.close()
+        store = PriorStore(redis_url, cache_s=0)
+        assert await store.read(revs, "code") == {"draft": [1.0, 0.2], "ngram": [0.5]}
+        assert await store.read(revs, "chat") == {"draft": [0.0, 0.0], "ngram": [0.5]}
+        assert await store.read(revs) == {"draft": [0.5, 0.1], "ngram": [0.5]}  # the pair
+        assert await store.read(revs, "prose") == await store.read(revs)  # no data: the pair
+        assert store.failures == 0
+        await store.close()
+
+    asyncio.run(main())
+
+
 def test_priors_degrade_without_redis():
     errors = []
 

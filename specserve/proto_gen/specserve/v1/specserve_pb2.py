@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecserve/v1/specserve.proto\x12\x0cspecserve.v1\"\xa9\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12$\n\x04spec\x18\t \x01(\x0e\x32\x16.specserve.v1.SpecMode\x12\x0e\n\x01k\x18\n \x01(\rH\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x15\n\x08logprobs\x18\x14 \x01(\rH\x03\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_kB\x0b\n\t_logprobs\"X\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xa1\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.v1.GenerateStats\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\xa4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.v1.GenerateStats\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x81\x07\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x04 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x02\x12\x1e\n\x16mean_acceptance_length\x18\x08 \x01(\x02\x12\x18\n\x10tokens_per_round\x18\t \x01(\x02\x12\x0f\n\x07ttft_ms\x18\n \x01(\x01\x12\x10\n\x08total_ms\x18\x0b \x01(\x01\x12\x0c\n\x04spec\x18\x0c \x01(\t\x12\t\n\x01k\x18\r \x01(\r\x12#\n\x1bspeculation_disabled_reason\x18\x0e \x01(\t\x12\x17\n\x0ftarget_revision\x18\x0f \x01(\t\x12\x18\n\x10\x64rafter_revision\x18\x10 \x01(\t\x12\x0c\n\x04seed\x18\x11 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x12 \x03(\r\x12\x10\n\x08round_ms\x18\x13 \x01(\x01\x12\x12\n\npropose_ms\x18\x14 \x01(\x01\x12\x11\n\tverify_ms\x18\x15 \x01(\x01\x12\x1a\n\x12\x64rafter_compute_ms\x18\x16 \x01(\x01\x12\x19\n\x11target_compute_ms\x18\x17 \x01(\x01\x12@\n\x0bk_histogram\x18\x1e \x03(\x0b\x32+.specserve.v1.GenerateStats.KHistogramEntry\x12\x42\n\x0cproposer_mix\x18\x1f \x03(\x0b\x32,.specserve.v1.GenerateStats.ProposerMixEntry\x12J\n\x10\x64\x65\x63ision_reasons\x18  \x03(\x0b\x32\x30.specserve.v1.GenerateStats.DecisionReasonsEntry\x1a\x31\n\x0fKHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x32\n\x10ProposerMixEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x36\n\x14\x44\x65\x63isionReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*v\n\x08SpecMode\x12\x19\n\x15SPEC_MODE_UNSPECIFIED\x10\x00\x12\x11\n\rSPEC_MODE_OFF\x10\x01\x12\x13\n\x0fSPEC_MODE_DRAFT\x10\x02\x12\x13\n\x0fSPEC_MODE_NGRAM\x10\x03\x12\x12\n\x0eSPEC_MODE_AUTO\x10\x04\x32\xa5\x01\n\tSpecServe\x12H\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateChunk0\x01\x12N\n\rGenerateUnary\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecserve/v1/specserve.proto\x12\x0cspecserve.v1\"\xbb\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12$\n\x04spec\x18\t \x01(\x0e\x32\x16.specserve.v1.SpecMode\x12\x0e\n\x01k\x18\n \x01(\rH\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x15\n\x08logprobs\x18\x14 \x01(\rH\x03\x88\x01\x01\x12\x10\n\x08workload\x18\x15 \x01(\tB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_kB\x0b\n\t_logprobs\"X\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xa1\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.v1.GenerateStats\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\xa4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.v1.GenerateStats\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x81\x07\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x04 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x02\x12\x1e\n\x16mean_acceptance_length\x18\x08 \x01(\x02\x12\x18\n\x10tokens_per_round\x18\t \x01(\x02\x12\x0f\n\x07ttft_ms\x18\n \x01(\x01\x12\x10\n\x08total_ms\x18\x0b \x01(\x01\x12\x0c\n\x04spec\x18\x0c \x01(\t\x12\t\n\x01k\x18\r \x01(\r\x12#\n\x1bspeculation_disabled_reason\x18\x0e \x01(\t\x12\x17\n\x0ftarget_revision\x18\x0f \x01(\t\x12\x18\n\x10\x64rafter_revision\x18\x10 \x01(\t\x12\x0c\n\x04seed\x18\x11 \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x12 \x03(\r\x12\x10\n\x08round_ms\x18\x13 \x01(\x01\x12\x12\n\npropose_ms\x18\x14 \x01(\x01\x12\x11\n\tverify_ms\x18\x15 \x01(\x01\x12\x1a\n\x12\x64rafter_compute_ms\x18\x16 \x01(\x01\x12\x19\n\x11target_compute_ms\x18\x17 \x01(\x01\x12@\n\x0bk_histogram\x18\x1e \x03(\x0b\x32+.specserve.v1.GenerateStats.KHistogramEntry\x12\x42\n\x0cproposer_mix\x18\x1f \x03(\x0b\x32,.specserve.v1.GenerateStats.ProposerMixEntry\x12J\n\x10\x64\x65\x63ision_reasons\x18  \x03(\x0b\x32\x30.specserve.v1.GenerateStats.DecisionReasonsEntry\x1a\x31\n\x0fKHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x32\n\x10ProposerMixEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x36\n\x14\x44\x65\x63isionReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*v\n\x08SpecMode\x12\x19\n\x15SPEC_MODE_UNSPECIFIED\x10\x00\x12\x11\n\rSPEC_MODE_OFF\x10\x01\x12\x13\n\x0fSPEC_MODE_DRAFT\x10\x02\x12\x13\n\x0fSPEC_MODE_NGRAM\x10\x03\x12\x12\n\x0eSPEC_MODE_AUTO\x10\x04\x32\xa5\x01\n\tSpecServe\x12H\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateChunk0\x01\x12N\n\rGenerateUnary\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,24 +37,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATESTATS_PROPOSERMIXENTRY']._serialized_options = b'8\001'
   _globals['_GENERATESTATS_DECISIONREASONSENTRY']._loaded_options = None
   _globals['_GENERATESTATS_DECISIONREASONSENTRY']._serialized_options = b'8\001'
-  _globals['_SPECMODE']._serialized_start=1667
-  _globals['_SPECMODE']._serialized_end=1785
+  _globals['_SPECMODE']._serialized_start=1685
+  _globals['_SPECMODE']._serialized_end=1803
   _globals['_GENERATEREQUEST']._serialized_start=47
-  _globals['_GENERATEREQUEST']._serialized_end=344
-  _globals['_TOKENLOGPROB']._serialized_start=346
-  _globals['_TOKENLOGPROB']._serialized_end=434
-  _globals['_GENERATECHUNK']._serialized_start=437
-  _globals['_GENERATECHUNK']._serialized_end=598
-  _globals['_GENERATERESPONSE']._serialized_start=601
-  _globals['_GENERATERESPONSE']._serialized_end=765
-  _globals['_GENERATESTATS']._serialized_start=768
-  _globals['_GENERATESTATS']._serialized_end=1665
-  _globals['_GENERATESTATS_KHISTOGRAMENTRY']._serialized_start=1508
-  _globals['_GENERATESTATS_KHISTOGRAMENTRY']._serialized_end=1557
-  _globals['_GENERATESTATS_PROPOSERMIXENTRY']._serialized_start=1559
-  _globals['_GENERATESTATS_PROPOSERMIXENTRY']._serialized_end=1609
-  _globals['_GENERATESTATS_DECISIONREASONSENTRY']._serialized_start=1611
-  _globals['_GENERATESTATS_DECISIONREASONSENTRY']._serialized_end=1665
-  _globals['_SPECSERVE']._serialized_start=1788
-  _globals['_SPECSERVE']._serialized_end=1953
+  _globals['_GENERATEREQUEST']._serialized_end=362
+  _globals['_TOKENLOGPROB']._serialized_start=364
+  _globals['_TOKENLOGPROB']._serialized_end=452
+  _globals['_GENERATECHUNK']._serialized_start=455
+  _globals['_GENERATECHUNK']._serialized_end=616
+  _globals['_GENERATERESPONSE']._serialized_start=619
+  _globals['_GENERATERESPONSE']._serialized_end=783
+  _globals['_GENERATESTATS']._serialized_start=786
+  _globals['_GENERATESTATS']._serialized_end=1683
+  _globals['_GENERATESTATS_KHISTOGRAMENTRY']._serialized_start=1526
+  _globals['_GENERATESTATS_KHISTOGRAMENTRY']._serialized_end=1575
+  _globals['_GENERATESTATS_PROPOSERMIXENTRY']._serialized_start=1577
+  _globals['_GENERATESTATS_PROPOSERMIXENTRY']._serialized_end=1627
+  _globals['_GENERATESTATS_DECISIONREASONSENTRY']._serialized_start=1629
+  _globals['_GENERATESTATS_DECISIONREASONSENTRY']._serialized_end=1683
+  _globals['_SPECSERVE']._serialized_start=1806
+  _globals['_SPECSERVE']._serialized_end=1971
 # @@protoc_insertion_point(module_scope)

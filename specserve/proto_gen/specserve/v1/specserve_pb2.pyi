@@ -21,7 +21,7 @@ SPEC_MODE_NGRAM: SpecMode
 SPEC_MODE_AUTO: SpecMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "spec", "k", "request_id", "logprobs")
+    __slots__ = ("prompt", "prompt_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "spec", "k", "request_id", "logprobs", "workload")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class GenerateRequest(_message.Message):
     K_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -46,7 +47,8 @@ class GenerateRequest(_message.Message):
     k: int
     request_id: str
     logprobs: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., spec: _Optional[_Union[SpecMode, str]] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    workload: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., spec: _Optional[_Union[SpecMode, str]] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[int] = ..., workload: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")
