@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -87,6 +88,11 @@ def _add_derived(level: dict[str, dict], plain_step_ms: float | None) -> None:
             row["efficiency"] = round(row["speedup_vs_off"] / ideal, 3)
 
 
+def _label(cls: str) -> str:
+    """A workload class name as a request's ``workload`` ([A-Za-z0-9_.-], at most 32)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", cls)[:32] or "custom"
+
+
 def run_suite(server: str | Callable[..., Any], target: str, drafter: str, levels: list[int],
               ks: list[int], out_dir: Path, classes: dict[str, list[Prompt]] | None = None,
               requests_per_level: int = 8, ngram_k: int = 4, baselines: bool = True,
@@ -116,8 +122,9 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
                 body: dict = {"prompts": len(prompts), "levels": {}}
                 for c in levels:
                     level = {}
-                    for name, cfg in configs:
-                        level[name] = _level(client, texts, cfg, c, n_req[c], budgets, bar)
+                    for name, cfg in configs:  # each request names its class (auto's priors)
+                        level[name] = _level(client, texts, {**cfg, "workload": _label(cls)},
+                                             c, n_req[c], budgets, bar)
                     step = level["off"]["target_compute_ms_mean"] if c == 1 else None
                     _add_derived(level, step)
                     outs = {name: row.pop("outputs") for name, row in level.items()}
