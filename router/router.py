@@ -193,8 +193,7 @@ class RemoteVerifier(SessionVerifier):
                 self.window.start = 0  # whoever answers next may hold nothing
                 try:
                     self.lease.close()
-                    self.lease = await self.router.targets.acquire(self.session_id)
-                    self.send = remote_send(self.lease, self.router.cfg.call_timeout_s, "target")
+                    _move(self, await self.router.targets.acquire(self.session_id), "target")
                 except Exception as e2:  # no replica to lease
                     last = e2
         raise Unavailable(f"target unavailable after {retries} retries: {last}")
@@ -223,13 +222,19 @@ class RemoteProposer(SessionProposer):
             log.warning("drafter stream lost (%s); leasing a drafter again", e)
             self.lease.close()
             try:
-                self.lease = await self.router.lease_drafter(self.session_id)
+                _move(self, await self.router.lease_drafter(self.session_id), "drafter")
             except Exception as e2:
                 raise ProposerFailed(f"{e}; no drafter to hand over to: {e2}") from e2
             self.router.drafter_handovers += 1
-            self.send = remote_send(self.lease, self.router.cfg.call_timeout_s, "drafter")
-            self.window.start = 0  # the new replica holds nothing
             return await super().propose(state, k, traceparent, mode)
+
+
+def _move(call: RemoteVerifier | RemoteProposer, lease: Lease, component: str) -> None:
+    """Hand a request's verifier or proposer over to a newly leased replica: its calls go
+    there, and the next one resends every committed token (the new replica holds none)."""
+    call.lease = lease
+    call.send = remote_send(lease, call.router.cfg.call_timeout_s, component)
+    call.window.start = 0
 
 
 def _give_back(task: asyncio.Task) -> None:
