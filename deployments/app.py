@@ -207,8 +207,8 @@ class DrafterDeployment:
         async for address in _hold(self.servicer.sessions, session_id, self.address):
             yield address
 
-    async def profile(self) -> float | None:
-        """Seconds per draft token, measured at start (spec=auto's costs)."""
+    async def profile(self) -> list | None:
+        """(rows, seconds per draft step), measured at start (spec=auto's costs)."""
         return self.cost_profile
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -3,24 +3,30 @@
 the engines share one ``CostModel`` between their requests.
 
 Every round, for one request, each candidate (nobody, prompt lookup with k up to its match,
-the draft model with k up to K_max) is scored by the goodput of the target batch it joins::
+the draft model with k up to K_max) is scored by the goodput of the target batch it joins,
+as if every row of that batch made the same choice::
 
     E(k)      = 1 + sum_{j=1..k} prod_{i<j} alpha_i          (expected committed tokens)
-    time(k)   = overhead + propose(k) * share + verify(others + 1, tokens + k + 1)
-    goodput   = (others * m + E(k)) / time(k)
+    time(k)   = overhead + propose(R, k) + verify(R, R (1 + k))
+    goodput   = R E(k) / time(k)                             (R: rows, this one included)
 
 alpha_i: this request's acceptance estimate at draft position i for that proposer (an
 exponential moving estimate starting from a prior, the fleet's when Redis has one);
 verify(rows, tokens): the target's forward time (a + b_row rows + b_draft drafts, fitted
-online to the replies' compute times); propose(k): the proposer's call, for the draft model
-a per-token time (online), for prompt lookup its call alone; others, tokens, m:
-the other rows of the batch plus the target's queue (from the last verify reply) and the
-committed tokens each gets per round; share: how much of the proposer's time the batch
-waits for. The target's step waits for every row whose reply is out (its cohort), so a
-row that drafts while no other row of its batch does holds up the whole batch (share 1),
-while rows that draft together are served in one drafter step (share 1 / rows). Under
-load the others dominate and extra tokens only slow them, so k falls smoothly to 0
-(spec-off); there is no table of steps.
+online to the replies' compute times, seeded by the replicas' start-up profiles);
+propose(R, k): the proposer's call, for the draft model k drafter steps over the batch's
+drafting rows (c + d_row rows per step, likewise fitted and seeded), for prompt lookup its
+call alone; R: the rows of the last verify reply's batch plus the target's queue.
+
+Why the whole batch: the target's step waits for every row of its cohort, and the drafter
+serves the rows that draft together in one step, so drafting pays or costs per batch. A
+row that scored itself alone against the batch as it is (others plain) would charge one
+row's gain with the whole drafter step and never start drafting in a batch that does not
+draft yet; each row scoring the batch's common choice escapes that (every auto row runs
+this policy on the same cost model, so they choose alike). Under load the verify time of
+the extra tokens outgrows their gain, so k falls smoothly to 0 (spec-off); there is no
+table of steps. (A request among rows that never draft, fixed spec-off traffic, is scored
+as if they followed it: the model's one known blind spot.)
 
 Each plan says why: ``goodput`` (speculating pays), ``low_acceptance`` (it would not pay
 even alone), ``saturated`` (it would pay alone, not in this batch), ``no_lookup_match``
@@ -79,30 +85,42 @@ class Acceptance:
 
 
 @dataclass
-class _VerifyFit:
-    """The target's forward time = a + b_row * rows + b_draft * drafts (``drafts``: the
-    tokens beyond one per row), by exponentially weighted least squares with a ridge of two
-    pseudo-observations per coefficient towards the prior ``a * (1, rel_row, rel_draft)``:
-    a coefficient the data does not determine (every row with k = 0; always one row) keeps
-    the prior's, so a k not tried lately looks as cheap as the prior says and gets tried.
-    And b_draft <= b_row: a draft token in a row never costs more than a new row (when rows
-    and drafts rise together the fit alone cannot tell them apart)."""
+class _Fit:
+    """A linear time model ``y = theta @ (1, x_1, ...)`` by exponentially weighted least
+    squares with a ridge of two pseudo-observations per coefficient towards the prior
+    ``a * (1, *rel)``: a coefficient the data does not determine (always one row; every row
+    with k = 0) keeps the prior's, so a k not tried lately looks as cheap as the prior
+    says and gets tried. Coefficients are >= 0; ``ordered``: each slope <= the one before
+    (for verify, a draft token never costs more than a new row: when rows and drafts rise
+    together the fit alone cannot tell them apart)."""
 
-    rel: tuple[float, float] = (0.3, 0.08)
+    rel: tuple[float, ...]
+    ordered: bool = False
     decay: float = 0.98
-    xtx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
-    xty: np.ndarray = field(default_factory=lambda: np.zeros(3))
-    _theta: np.ndarray | None = None  # the solution for the sums as they are
+    xtx: np.ndarray = field(init=False)
+    xty: np.ndarray = field(init=False)
+    _theta: np.ndarray | None = field(default=None, init=False)
 
-    def observe(self, rows: int, tokens: float, seconds: float) -> None:
-        x = np.array([1.0, rows, tokens - rows])
-        self.xtx = self.xtx * self.decay + np.outer(x, x)
-        self.xty = self.xty * self.decay + x * seconds
+    def __post_init__(self) -> None:
+        n = len(self.rel) + 1
+        self.xtx, self.xty = np.zeros((n, n)), np.zeros(n)
+
+    def observe(self, x: Sequence[float], seconds: float) -> None:
+        v = np.array([1.0, *x])
+        self.xtx = self.xtx * self.decay + np.outer(v, v)
+        self.xty = self.xty * self.decay + v * seconds
         self._theta = None
 
     @property
     def known(self) -> bool:
         return bool(self.xtx[0, 0] > 0)
+
+    def predict(self, x: Sequence[float], default: float) -> float:
+        """The time at ``x``; before any observation, the prior with ``a = default``."""
+        v = np.array([1.0, *x])
+        if not self.known:
+            return default * float(np.array([1.0, *self.rel]) @ v)
+        return float(self.coef() @ v)
 
     def coef(self) -> np.ndarray:
         if self._theta is None:
@@ -114,9 +132,12 @@ class _VerifyFit:
         ratios = np.array([1.0, *self.rel])
         prior = ratios * (self.xty[0] / w) / float(ratios @ (self.xtx[0] / w))
         lam = 2.0 * np.maximum(np.diag(self.xtx) / w, 1e-9)
-        a, b_row, b_draft = np.linalg.solve(self.xtx + np.diag(lam), self.xty + lam * prior)
-        b_row = max(b_row, 0.0)
-        return np.array([max(a, 1e-6), b_row, min(max(b_draft, 0.0), b_row)])
+        theta = np.maximum(np.linalg.solve(self.xtx + np.diag(lam), self.xty + lam * prior), 0.0)
+        theta[0] = max(theta[0], 1e-6)
+        if self.ordered:
+            for i in range(2, len(theta)):
+                theta[i] = min(theta[i], theta[i - 1])
+        return theta
 
 
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
@@ -124,92 +145,89 @@ def _ema(old: float | None, new: float, w: float = 0.1) -> float:
 
 
 def _ema_low(old: float | None, new: float) -> float:
-    """Follows decreases fast, increases slowly: the proposer's own cost, not the queue
-    that forms when every request drafts at once (which would make drafting look dear
-    for good: a proposer no longer chosen is no longer measured)."""
+    """Follows decreases fast, increases slowly: the call's own cost, not the queue that
+    forms when every request calls at once (which would make a proposer look dear for
+    good: a proposer no longer chosen is no longer measured)."""
     return _ema(old, new, 0.5 if old is None or new < old else 0.05)
+
+
+def _drafter_profile(points: object) -> list[tuple[int, float]]:
+    """A drafter replica's profile: (rows, seconds per draft step) points; a bare number
+    (a replica of the release before) is its one-row time."""
+    if isinstance(points, int | float):
+        return [(1, float(points))] if points > 0 else []
+    return [(int(r), float(s)) for r, s in points or [] if r > 0 and s > 0]
 
 
 @dataclass
 class CostModel:
     """What a round costs, shared by the requests of one router (or engine): the target's
-    verify time by batch tokens, each proposer's call (a fixed part: transport, lookup; and
-    for the draft model a per-token part), the rest of the round (verify transport,
-    scheduling) and the committed tokens per row of other requests. Starts from
-    ``default_verify_s`` (a conservative guess, or a measured profile) and learns online."""
+    verify time by batch rows and tokens, the draft model's step time by the rows drafting
+    together, each proposer's fixed call time (transport, lookup) and the rest of the round
+    (verify transport, scheduling). Starts from ``default_verify_s`` (a conservative
+    guess), or from the replicas' measured profiles, and learns online."""
 
     default_verify_s: float = 0.02
-    draft_rel_cost: float = 0.1  # prior: a draft token costs 10% of a target forward
-    verify: _VerifyFit = field(default_factory=_VerifyFit)
-    draft_token_s: float | None = None
+    draft_rel_cost: float = 0.1  # prior: a draft step costs 10% of a one-row target forward
+    verify: _Fit = field(default_factory=lambda: _Fit((0.3, 0.08), ordered=True))
+    draft: _Fit = field(default_factory=lambda: _Fit((0.05,)))  # a drafter step by its rows
     call_s: dict[str, float] = field(default_factory=dict)  # proposer -> fixed call time
     overhead_s: float = 0.0
-    row_tokens: float = 1.5  # committed tokens per row per round, over recent rounds
-    profiled: int = 0  # verify points seeded from replicas' start-up profiles
+    profiled: int = 0  # points seeded from replicas' start-up profiles
 
     def verify_s(self, rows: float, tokens: float) -> float:
-        x = np.array([1.0, rows, tokens - rows])
-        if not self.verify.known:
-            return self.default_verify_s * float(np.array([1.0, *self.verify.rel]) @
-                                                 (x - [0.0, 1.0, 0.0]))
-        return float(self.verify.coef() @ x)
+        return self.verify.predict((rows, tokens - rows), self.default_verify_s)
+
+    def draft_step_s(self, rows: float) -> float:
+        """One draft token for ``rows`` rows in one drafter step."""
+        return self.draft.predict((rows,), self.draft_rel_cost * self.verify_s(1, 1))
 
     def snapshot(self) -> dict:
         """What the model believes now, in milliseconds (``router_stats``)."""
-        ms = [round(1000 * float(x), 3) for x in self.verify.coef()] \
-            if self.verify.known else None
-        return {"verify_ms_a_row_draft": ms, "draft_token_ms":
-                round(1000 * self.draft_token_s, 3) if self.draft_token_s else None,
-                "call_ms": {p: round(1000 * v, 3) for p, v in self.call_s.items()},
-                "overhead_ms": round(1000 * self.overhead_s, 3),
-                "row_tokens": round(self.row_tokens, 3), "profiled": self.profiled}
+        def ms(fit: _Fit) -> list[float] | None:
+            return [round(1000 * float(x), 3) for x in fit.coef()] if fit.known else None
+        return {"verify_ms_a_row_draft": ms(self.verify), "draft_step_ms_a_row":
+                ms(self.draft), "call_ms": {p: round(1000 * v, 3)
+                                            for p, v in self.call_s.items()},
+                "overhead_ms": round(1000 * self.overhead_s, 3), "profiled": self.profiled}
 
-    def seed(self, verify: Sequence[tuple[int, int, float]],
-             draft_token_s: float | None = None) -> None:
+    def seed(self, verify: Sequence[tuple[int, int, float]], draft: object = None) -> None:
         """Start from replicas' start-up profiles (``specserve.engine.profile``): verify
-        seconds by (rows, batch tokens) over a grid, and the draft model's per-token time.
-        Online observations then take over (the fit decays old ones)."""
+        seconds by (rows, batch tokens) over a grid, and the draft model's step seconds by
+        rows. Online observations then take over (the fits decay old points)."""
         for rows, tokens, seconds in verify:
             if rows > 0 and tokens >= rows and seconds > 0:
-                self.verify.observe(rows, tokens, seconds)
+                self.verify.observe((rows, tokens - rows), seconds)
                 self.profiled += 1
-        if draft_token_s and self.draft_token_s is None:
-            self.draft_token_s = draft_token_s
+        for rows, seconds in _drafter_profile(draft):
+            self.draft.observe((rows,), seconds)
+            self.profiled += 1
 
-    def propose_s(self, proposer: str | None, k: int) -> float:
+    def propose_s(self, proposer: str | None, k: int, rows: float = 1) -> float:
+        """The proposer's call for k tokens, ``rows`` rows drafting together."""
         if proposer is None or k == 0:
             return 0.0
         fixed = self.call_s.get(proposer, 0.0)
         if proposer == "ngram":
             return fixed  # a search over the committed tokens, plus the call
-        per = self.draft_token_s
-        return fixed + k * (per if per is not None else
-                            self.draft_rel_cost * self.verify_s(1, 1))
+        return fixed + k * self.draft_step_s(rows)
 
     def observe(self, o: RoundOutcome) -> None:
         v, p = o.verdict, o.plan.proposer
         verify = v.call.compute_s or o.verify_s  # in process: no replica reports compute
+        tokens = v.batch_tokens or v.batch_size * (o.drafted + 1)
         if v.batch_size > 0 and verify > 0:
-            self.verify.observe(v.batch_size, v.batch_tokens or v.batch_size * (o.drafted + 1),
-                                verify)
+            self.verify.observe((v.batch_size, tokens - v.batch_size), verify)
         compute = (o.proposal.call.compute_s or o.propose_s) if o.drafted else 0.0
         if p == "draft" and o.drafted and compute > 0:
-            self.draft_token_s = _ema_low(self.draft_token_s, compute / o.drafted)
+            # the rows that drafted with this one: the batch's drafts over this row's k
+            drafting = min(max(v.batch_size, 1), max(1, round((tokens - v.batch_size)
+                                                              / o.drafted)))
+            self.draft.observe((drafting,), compute / o.drafted)
         if p is not None and o.drafted:
             fixed = max(0.0, o.propose_s - (compute if p == "draft" else 0.0))
             self.call_s[p] = _ema_low(self.call_s.get(p), fixed)
         self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
-        self.row_tokens = _ema(self.row_tokens, len(o.decision.tokens), 0.05)
-
-
-@dataclass
-class Load:
-    """The other rows in the target batch this request's next row joins, and the tokens
-    they feed: the last verify reply's batch less this row, plus the queue behind it."""
-
-    rows: int = 0
-    tokens: float = 0.0
-    drafting: bool = False  # some other row of the batch carried drafts
 
 
 class GoodputPolicy:
@@ -225,7 +243,7 @@ class GoodputPolicy:
         self.acceptance = {
             p: Acceptance([*priors.get(p, []), *[PRIOR_ACCEPTANCE[p]] * k_max][:k_max])
             for p in PROPOSERS}
-        self.load = Load()
+        self.others = 0  # the other rows of the batch this row joins, and the queue
         self.counts = {p: [[0] * k_max, [0] * k_max] for p in PROPOSERS}  # tried, accepted
 
     def candidates(self, state: RequestState, k_cap: int) -> list[tuple[str, int]]:
@@ -236,22 +254,19 @@ class GoodputPolicy:
         out += [("ngram", k) for k in range(1, len(match) + 1)]
         return out
 
-    def score(self, proposer: str | None, k: int, load: Load) -> tuple[float, Plan]:
-        """The batch's goodput (tokens / s) with this row's plan (its expected committed
-        tokens and the round time). The proposer's time: shared by the batch's drafting
-        rows when others draft too (one drafter step serves them all), the whole batch's
-        wait when this row would be the only one (the cohort waits for it)."""
-        c = self.cost
+    def score(self, proposer: str | None, k: int, others: int) -> tuple[float, Plan]:
+        """The goodput (tokens / s) of a batch of this row and ``others`` in which every
+        row takes this plan: its expected committed tokens and the round's time (one
+        drafter step for the rows drafting together, one target forward)."""
+        c, rows = self.cost, others + 1
         e = self.acceptance[proposer].expected(k) if proposer else 1.0
-        share = 1.0 / (1 + load.rows) if load.drafting else 1.0
-        t = c.overhead_s + c.propose_s(proposer, k) * share + \
-            c.verify_s(load.rows + 1, load.tokens + 1 + k)
-        return (load.rows * c.row_tokens + e) / t, Plan(proposer, k, "goodput", e, t)
+        t = c.overhead_s + c.propose_s(proposer, k, rows) + c.verify_s(rows, rows * (1 + k))
+        return rows * e / t, Plan(proposer, k, "goodput", e, t)
 
-    def best(self, cands: list[tuple[str, int]], load: Load) -> Plan:
-        best, plan = self.score(None, 0, load)
+    def best(self, cands: list[tuple[str, int]], others: int) -> Plan:
+        best, plan = self.score(None, 0, others)
         for p, k in cands:
-            g, candidate = self.score(p, k, load)
+            g, candidate = self.score(p, k, others)
             if g > best * (1 + 1e-9):
                 best, plan = g, candidate
         return plan
@@ -268,10 +283,10 @@ class GoodputPolicy:
         cands = self.candidates(state, k_cap)
         if not cands:
             return Plan(None, 0, "no_lookup_match", 1.0)
-        plan = self.best(cands, self.load)
+        plan = self.best(cands, self.others)
         if plan.k > 0:
             return plan
-        alone = self.best(cands, Load())  # would it pay without the others?
+        alone = self.best(cands, 0)  # would it pay without the others?
         return replace(plan, reason="saturated" if alone.k > 0 else "low_acceptance")
 
     def reproducible(self, state: RequestState, k_cap: int) -> Plan:
@@ -290,12 +305,7 @@ class GoodputPolicy:
         self.cost.observe(o)
         v = o.verdict
         if v.batch_size > 0:
-            own = o.drafted + 1
-            others = (v.batch_tokens or v.batch_size * own) - own
-            per_row = others / (v.batch_size - 1) if v.batch_size > 1 else 1.0
-            self.load = Load(v.batch_size - 1 + v.queue_rows,
-                             others + v.queue_rows * max(per_row, 1.0),
-                             drafting=others > v.batch_size - 1)
+            self.others = v.batch_size - 1 + v.queue_rows
         p = o.plan.proposer
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)

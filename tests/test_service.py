@@ -78,9 +78,10 @@ def test_auto_is_the_default_and_exact_under_concurrency(service, greedy_refs):
         assert sum(st["proposer_mix"].values()) == st["rounds"]
         assert set(st["decision_reasons"]) <= {"goodput", "low_acceptance", "saturated",
                                                "no_lookup_match", "budget"}
-    # the router's cost model started from the replicas' start-up profiles (3 x 3 grid)
+    # the router's cost model started from the replicas' start-up profiles (3 x 3 verify
+    # grid, the drafter at 1 and 8 rows)
     model = service.router_stats()["auto_cost_model"]
-    assert model["profiled"] == 9 and model["draft_token_ms"] is not None, model
+    assert model["profiled"] == 9 + 2 and model["draft_step_ms_a_row"] is not None, model
 
 
 def test_target_batches_concurrent_rounds(service, greedy_refs):

@@ -5,7 +5,8 @@
 engine's own ``verify`` (any engine: plain or tensor-parallel), each row with a cached past
 and feeding 1 + k tokens as a real round does. The online fit cannot separate the cost of a
 row from the cost of a draft token when both rise together under load; the grid varies them
-independently. ``profile_drafter``: the draft model's time per draft token.
+independently. ``profile_drafter``: the draft model's time per draft step, by the rows drafting
+together (one drafter step serves them all).
 
 Profile sessions are private (``PROFILE_PREFIX``) and released afterwards.
 """
@@ -23,6 +24,7 @@ from specserve.core.sampling import SamplingParams
 PROFILE_PREFIX = "__specserve-profile-"
 ROWS = (1, 4, 16)
 DRAFTS = (0, 2, 4)
+DRAFT_ROWS = (1, 8)
 PAST = 64
 
 
@@ -72,24 +74,39 @@ def profile_target(engine: Any, rows: Sequence[int] = ROWS, drafts: Sequence[int
             engine.release(s)
 
 
-def profile_drafter(engine: Any, k: int = 4, past: int = PAST, repeats: int = 3) -> float | None:
-    """Seconds per draft token of the draft model (None: the engine has none)."""
+def profile_drafter(engine: Any, rows: Sequence[int] = DRAFT_ROWS, k: int = 4,
+                    past: int = PAST, repeats: int = 3) -> list[tuple[int, float]] | None:
+    """(rows, seconds per draft step) of the draft model, for ``rows`` rows drafting
+    together in one call: the fastest of ``repeats`` calls of k steps (None: the engine
+    has no draft model)."""
     if getattr(engine, "lean", None) is None:
         return None
     rng = random.Random(0)
-    sid = f"{PROFILE_PREFIX}draft"
-    committed = [rng.randrange(int(engine.vocab_size)) for _ in range(past)]
+    sids = [f"{PROFILE_PREFIX}draft-{i}" for i in range(max(rows))]
+    committed = {s: [rng.randrange(int(engine.vocab_size)) for _ in range(past)] for s in sids}
+
+    def items(n: int, first: bool) -> list[ProposeItem]:
+        out = []
+        for sid in sids[:n]:
+            c = committed[sid]
+            out.append(ProposeItem(sid, len(c), 0 if first else len(c) - 1,
+                                   list(c) if first else c[-1:], k, "draft",
+                                   SamplingParams()))
+            c.append(rng.randrange(int(engine.vocab_size)))
+        return out
+
     try:
-        best = float("inf")
-        for i in range(repeats + 1):
-            item = ProposeItem(sid, len(committed), 0 if i == 0 else len(committed) - 1,
-                               committed if i == 0 else committed[-1:], k, "draft",
-                               SamplingParams())
-            t0 = time.perf_counter()
-            engine.propose([item])
-            if i:  # the first call prefills
+        engine.propose(items(len(sids), first=True))  # prefill, untimed
+        out = []
+        for n in rows:
+            best = float("inf")
+            for _ in range(repeats):
+                batch = items(n, first=False)
+                t0 = time.perf_counter()
+                engine.propose(batch)
                 best = min(best, time.perf_counter() - t0)
-            committed.append(rng.randrange(int(engine.vocab_size)))
-        return best / k
+            out.append((n, best / k))
+        return out
     finally:
-        engine.release(sid)
+        for sid in sids:
+            engine.release(sid)
