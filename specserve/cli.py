@@ -223,16 +223,27 @@ def _int_list(flag: str, value: str) -> list[int]:
     return out
 
 
+def _names(flag: str, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    out = [v.strip() for v in value.split(",") if v.strip()]
+    if not out:
+        raise UsageError(f"{flag}: expected comma-separated names, got {value!r}")
+    return out
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     out = product_stdout()  # the report's summary only; Ray's lines go to stderr
     quiet_libraries()
     if args.concurrency is None:
         args.concurrency = "1,2,4,8,16,32" if args.suite else "1,4,16"
     if args.suite:
+        from specserve.bench.analysis import FINE_LEVELS
         from specserve.bench.suite import run_suite
-        from specserve.bench.workloads import WorkloadError, load_jsonl
+        from specserve.bench.workloads import BUILTIN_CLASSES, WorkloadError, load_jsonl
 
-        levels = _int_list("--concurrency", args.concurrency)
+        levels = list(FINE_LEVELS) if args.concurrency == "fine" else \
+            _int_list("--concurrency", args.concurrency)
         if not levels or min(levels) < 1:
             raise UsageError("--concurrency: levels must be >= 1")
         if args.rate is not None and args.rate <= 0:
@@ -243,11 +254,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 classes = load_jsonl(Path(args.workload))
             except (OSError, WorkloadError) as e:
                 raise UsageError(f"--workload: {e}") from None
+        only = _names("--classes", args.classes)
+        known = {*(classes or BUILTIN_CLASSES), "mixed"}
+        if only and not set(only) <= known:
+            raise UsageError(f"--classes: unknown {sorted(set(only) - known)}; "
+                             f"choose among {sorted(known)}")
         report = run_suite(
             args.server or local_service_starter(), args.target, args.drafter, levels,
             _int_list("--ks", args.ks) if args.ks else [2, 4], Path(args.out), classes=classes,
             requests_per_level=args.prompts, baselines=not args.no_hf,
-            poisson_rate=args.rate)
+            poisson_rate=args.rate, only=only)
         print((Path(args.out) / "summary.md").read_text(), file=out)
         return 0 if report["mismatches"]["total"] == 0 else 1
     if args.service or args.server:
@@ -330,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "it in a loopback-only network namespace (see README)")
     bench.add_argument("--concurrency", default=None,
                        help="closed-loop concurrency levels (default: 1,4,16 for --service; "
-                            "1,2,4,8,16,32 for --suite)")
+                            "1,2,4,8,16,32 for --suite); --suite also takes 'fine': "
+                            "1,2,3,4,6,8,12,16,24,32")
     bench.add_argument("--configs", help="--service/--server: comma-separated configurations "
                        "to run besides spec-off (off, draft_k<K>, ngram_k4, auto; default all)")
     bench.add_argument("--suite", action="store_true",
@@ -339,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "summary.md, plots (starts a service unless --server)")
     bench.add_argument("--workload", help="--suite: JSONL of {prompt, max_tokens?, class?} "
                                           "instead of the built-in classes")
+    bench.add_argument("--classes", help="--suite: comma-separated workload classes to run "
+                       "(default all, and mixed; e.g. code-short,mixed)")
     bench.add_argument("--rate", type=float, help="--suite: also an open-loop Poisson run at "
                                                   "this many requests/s")
     bench.set_defaults(func=cmd_bench)

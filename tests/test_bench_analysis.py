@@ -8,6 +8,7 @@ from specserve.bench.analysis import (
     SCHEMA,
     find_mismatches,
     ideal_speedup,
+    level_winners,
     validate_report,
     verdict,
 )
@@ -40,6 +41,18 @@ def test_verdicts():
     assert low["verdict"] == "low-load"
     off = verdict({1: {"off": 1.0, "draft_k2": 0.97}, 16: {"off": 1.0, "draft_k2": 0.9}})
     assert off["verdict"] == "off"
+
+
+def test_level_winners_name_the_best_and_rate_auto():
+    level = {"off": {"aggregate_tokens_per_s": 100.0},
+             "draft_k2": {"aggregate_tokens_per_s": 125.0},
+             "auto": {"aggregate_tokens_per_s": 120.0}}
+    assert level_winners(level) == {"best": "draft_k2", "best_fixed": "draft_k2",
+                                    "auto_vs_best_fixed": 0.96, "auto_vs_off": 1.2}
+    level["auto"]["aggregate_tokens_per_s"] = 130.0
+    assert level_winners(level)["best"] == "auto"
+    del level["auto"]
+    assert level_winners(level) == {"best": "draft_k2", "best_fixed": "draft_k2"}
 
 
 def test_validate_report_finds_problems():

@@ -38,6 +38,8 @@ def test_generate_streams_text_only_to_stdout():
         (["generate", "x", "--drafter", "/nonexistent"], "no config.json"),
         (["serve", "--port", "70000"], "--port"),
         (["bench", "--ks", "a,b"], "--ks"),
+        (["bench", "--suite", "--classes", "code-short,nope"], "--classes: unknown ['nope']"),
+        (["bench", "--suite", "--concurrency", "coarse"], "--concurrency"),
         (["serve", "--tls-cert", "/nonexistent.pem"], "tls_cert and tls_key"),
         (["serve", "--tls-cert", "/nonexistent.pem", "--tls-key", "/x.pem"], "--tls-cert"),
         (["serve", "--api-keys-file", "/nonexistent-keys"], "--api-keys-file"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 SCHEMA = "specserve.bench/v1"
+FINE_LEVELS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # `--concurrency fine`: exposes thresholds
 
 
 def ideal_speedup(tokens_per_round: float, drafter_ms_per_round: float,
@@ -65,6 +66,19 @@ def verdict(speedups_by_level: Mapping[int, Mapping[str, float]]) -> dict:
                 "speedup_worst": worst[best_low]}
     return {"verdict": "neutral", "config": best_low, "speedup_low": low,
             "speedup_worst": worst[best_low]}
+
+
+def level_winners(level: Mapping[str, Mapping]) -> dict:
+    """Which configuration won one level (aggregate tokens/s), the best fixed one (spec-off
+    included, auto excluded), and auto against both."""
+    tps = {name: float(row["aggregate_tokens_per_s"]) for name, row in level.items()}
+    fixed = {n: v for n, v in tps.items() if n != "auto"}
+    best_fixed = max(fixed, key=lambda n: fixed[n])
+    out: dict = {"best": max(tps, key=lambda n: tps[n]), "best_fixed": best_fixed}
+    if "auto" in tps:
+        out["auto_vs_best_fixed"] = round(tps["auto"] / max(fixed[best_fixed], 1e-9), 3)
+        out["auto_vs_off"] = round(tps["auto"] / max(tps.get("off", 0.0), 1e-9), 3)
+    return out
 
 
 def validate_report(report: Mapping) -> list[str]:

@@ -23,9 +23,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specserve.bench.analysis import SCHEMA, find_mismatches, ideal_speedup, verdict
+from specserve.bench.analysis import (
+    SCHEMA,
+    find_mismatches,
+    ideal_speedup,
+    level_winners,
+    verdict,
+)
 from specserve.bench.service import _free_port, _level, _one, _pct
-from specserve.bench.workloads import Prompt, builtin_workloads
+from specserve.bench.workloads import Prompt, WorkloadError, builtin_workloads
 from specserve.client import Client, SpecServeError
 
 
@@ -97,9 +103,16 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
               ks: list[int], out_dir: Path, classes: dict[str, list[Prompt]] | None = None,
               requests_per_level: int = 8, ngram_k: int = 4, baselines: bool = True,
               baseline_prompts: int = 3, poisson_rate: float | None = None,
-              app_config: dict | None = None, baseline_max_tokens: int = 32) -> dict:
+              app_config: dict | None = None, baseline_max_tokens: int = 32,
+              only: list[str] | None = None) -> dict:
+    """``only``: the classes to run (of ``classes`` and ``mixed``), default all."""
     classes = classes or builtin_workloads(max(requests_per_level, 4))
     classes = {**classes, "mixed": [p for ps in classes.values() for p in ps[::2]]}
+    if only is not None:
+        unknown = sorted(set(only) - set(classes))
+        if unknown:
+            raise WorkloadError(f"unknown classes {unknown}; known: {sorted(classes)}")
+        classes = {c: ps for c, ps in classes.items() if c in only}
     configs = _configs(ks, ngram_k)
     service = None
     if callable(server):  # a local service starter (``deployments.local.start_local``)
@@ -136,6 +149,7 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
                                                  "index": i, "prompt_index": i % len(prompts),
                                                  "token_ids": toks})
                     body["levels"][str(c)] = level
+                    body.setdefault("winners", {})[str(c)] = level_winners(level)
                 if poisson_rate:
                     body["open_loop"] = {name: _open_loop(client, prompts, cfg, poisson_rate,
                                                           requests_per_level)
@@ -214,6 +228,15 @@ def summary_markdown(report: dict) -> str:
                 cells.append(f"{row['speedup_vs_off']:.2f}x ({row['aggregate_tokens_per_s']:.0f} "
                              "tok/s)")
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        won = [level_winners(body["levels"][c]) for c in levels]
+        lines.append("| **won** | " + " | ".join(w["best"] for w in won) + " |")
+        if all("auto_vs_best_fixed" in w for w in won):
+            lines.append("| auto / best fixed | " + " | ".join(
+                f"{w['auto_vs_best_fixed']:.2f} ({w['best_fixed']})" for w in won) + " |")
+            worst = min(won, key=lambda w: w["auto_vs_best_fixed"])
+            lines += ["", f"auto: at worst {worst['auto_vs_best_fixed']:.2f}x the best fixed "
+                      f"configuration and {min(w['auto_vs_off'] for w in won):.2f}x spec-off "
+                      "over these levels."]
         below = [(c, n) for c in levels for n in names
                  if body["levels"][c][n]["speedup_vs_off"] < 0.95]
         if below:

@@ -75,6 +75,9 @@ def _repetitive(texts: list[str], n: int) -> list[str]:
     return out
 
 
+BUILTIN_CLASSES = ("code-short", "code-long", "prose", "repetitive")  # and "mixed" of them
+
+
 def builtin_workloads(n_per_class: int = 8) -> dict[str, list[Prompt]]:
     texts = _heldout_texts()
     classes = {
@@ -83,6 +86,7 @@ def builtin_workloads(n_per_class: int = 8) -> dict[str, list[Prompt]]:
         "prose": [Prompt(p, 64, "prose") for p in _docstrings(texts, n_per_class)],
         "repetitive": [Prompt(p, 64, "repetitive") for p in _repetitive(texts, n_per_class)],
     }
+    assert tuple(classes) == BUILTIN_CLASSES
     empty = [k for k, v in classes.items() if not v]
     if empty:
         raise WorkloadError(f"no held-out prompts for classes {empty}")
