@@ -105,7 +105,8 @@ async def make_drafter_engine(cfg: AppConfig, host: str) -> Any:
 
     m = cfg.models
     lean = LeanLlama(load_model(resolve_model(m.drafter))) if m.drafter else None
-    return DrafterEngine(lean, cache_budget_bytes=cfg.drafter.cache_bytes)
+    return DrafterEngine(lean, cache_budget_bytes=cfg.drafter.cache_bytes,
+                         draft_ahead=cfg.drafter.draft_ahead)
 
 
 async def _hold(sessions, session_id: str, address: str):
@@ -219,7 +220,8 @@ class DrafterDeployment:
     async def stats(self) -> dict:
         sv = self.servicer
         return {"replica": self.replica, "proposals": sv.proposals, "batches": sv.batches,
-                "rows": sv.rows, "pid": os.getpid(),
+                "rows": sv.rows, "pid": os.getpid(), "compute_s": sv.compute_s,
+                "ahead_s": sv.ahead_s,
                 "held_sessions": len(self.servicer.sessions),
                 "released": dict(self.servicer.sessions.released), **self.engine.stats()}
 

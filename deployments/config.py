@@ -161,6 +161,9 @@ class DrafterOptions(BaseModel):
     session_idle_s: float = Field(10.0, gt=0, le=3600, description="a session no stream has "
                                   "used this long is released (a router that died, a client "
                                   "gone); a later call just rebuilds its cache")
+    draft_ahead: bool = Field(False, description="while the target verifies, draft the next "
+                              "round for 'all drafts accepted, then the drafter's own next "
+                              "token'; a call that matches gets it at once (outputs unchanged)")
 
     def threads(self) -> int:
         return _threads(self.torch_threads, self.scaling)

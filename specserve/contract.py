@@ -83,6 +83,7 @@ class ProposeOutcome:
     cache_miss: bool = False
     repair: RepairRecord | None = None  # None for ngram (no cache) and on a miss
     call: CallInfo = field(default_factory=CallInfo)
+    ahead: bool = False  # drafted ahead, while the last round verified (draft-ahead)
 
 
 @dataclass

@@ -11,6 +11,18 @@ need no forward. Same ``tokens_start`` / ``cache_miss`` protocol as the target
 (``specserve.engine.target``): an unknown session, or one that holds fewer than
 ``tokens_start`` committed tokens, answers ``cache_miss`` and the caller resends the full
 committed list with ``tokens_start = 0``.
+
+Draft-ahead (``draft_ahead=True``; issue 16, after SSD/Saguaro and PEARL): once a draft-model
+reply is out, ``draft_ahead()`` (the server calls it while the target verifies) prepares
+the next round for the likeliest outcome, "all k drafts accepted, then the drafter's own
+next token as the extra one": it guesses that token b, then drafts k tokens after
+committed + drafts + b. The next call that arrives with exactly that committed list, the
+same k and the same sampling gets the prepared block at once (``ProposeOutcome.ahead``);
+any other call (a miss) first crops the cache back to where it stood before drafting ahead.
+Both ways the cache and every draft are what drafting on request would have given: the
+prepared block is drafted after the same cache state and the same fed chunk (the last
+draft and b together) as a call would feed, with the same counter-based draws (seed,
+position), so a sampled row's q is bitwise the same and seeded outputs do not change.
 """
 
 from __future__ import annotations
@@ -18,9 +30,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.contract import ProposeItem, ProposeOutcome
+from specserve.contract import ProposeItem, ProposeOutcome, RepairRecord
 from specserve.core.commit import check_tokens_window
 from specserve.core.ngram import propose_ngram
+from specserve.core.sampling import SamplingParams
 from specserve.engine.lean import LeanLlama
 from specserve.engine.sessions import DraftJob, DraftModelSession, propose_batch
 from specserve.service.lru import LRUSessions
@@ -30,9 +43,26 @@ _TOKEN_BYTES = 8
 
 
 @dataclass
+class _Block:
+    """Drafts for ``committed`` (k of them, with ``sampling`` and ``seed``): a reply's
+    block to draft ahead from, or a block drafted ahead; ``base``: the model cache's length
+    before drafting ahead (a miss crops back to it)."""
+
+    committed: list[int]
+    k: int
+    sampling: SamplingParams
+    seed: int
+    drafts: list[int]
+    q: object = None  # torch.Tensor [k, V] | None (greedy)
+    base: int = 0
+
+
+@dataclass
 class _Session:
     committed: list[int]
     model: DraftModelSession | None = None
+    replied: _Block | None = None  # the last draft-model reply, to draft ahead from
+    ahead: _Block | None = None  # the block drafted ahead, for the next call
 
     @property
     def nbytes(self) -> int:
@@ -44,8 +74,10 @@ class DrafterEngine(LRUSessions):
     """Draft-model and n-gram proposals for many sessions, with an LRU byte budget."""
 
     def __init__(self, lean: LeanLlama | None, cache_budget_bytes: int = 256 << 20,
-                 ngram_max_n: int = 4, ngram_min_n: int = 1):
+                 ngram_max_n: int = 4, ngram_min_n: int = 1, draft_ahead: bool = False):
         super().__init__(cache_budget_bytes)
+        self.draft_ahead_on = draft_ahead and lean is not None
+        self.ahead = {"drafted": 0, "hits": 0, "misses": 0}
         self.lean = lean
         self.ngram_max_n, self.ngram_min_n = ngram_max_n, ngram_min_n
         self.vocab_size = int(lean.config.vocab_size) if lean is not None else None
@@ -56,6 +88,7 @@ class DrafterEngine(LRUSessions):
         return {
             **self.lru_stats(),
             "proposals": self.proposals,
+            **{f"ahead_{k}": v for k, v in self.ahead.items()},
         }
 
     # ----------------------------------------------------------------- propose
@@ -102,22 +135,92 @@ class DrafterEngine(LRUSessions):
             if sess is None:
                 outcomes[i] = ProposeOutcome([], None, cache_miss=True)
             elif it.mode == "ngram":
+                sess.replied = None  # nothing to draft ahead from
                 drafts = propose_ngram(sess.committed, it.k, self.ngram_max_n, self.ngram_min_n)
                 outcomes[i] = ProposeOutcome(drafts, None)
             else:
                 assert self.lean is not None  # checked
                 if sess.model is None:
                     sess.model = DraftModelSession(self.lean)
+                hit = self._prepared(sess, it)
+                if hit is not None:
+                    outcomes[i] = hit
+                    continue
                 jobs.append(DraftJob(sess.model, sess.committed, it.k, it.sampling,
                                      it.sampling.seed or 0))
                 slots.append(i)
         if jobs:
             assert self.lean is not None
-            for i, (drafts, q, record) in zip(slots, propose_batch(self.lean, jobs),
-                                              strict=True):
+            for i, job, (drafts, q, record) in zip(slots, jobs, propose_batch(self.lean, jobs),
+                                                   strict=True):
                 outcomes[i] = ProposeOutcome(drafts, q, repair=record)
+                self._replied(self._sessions[items[i].session_id], job, drafts, q)
         self._evict(served)
         return outcomes  # type: ignore[return-value]  # every slot is filled
+
+    # ----------------------------------------------------------------- draft-ahead
+    def _replied(self, sess: _Session, job: DraftJob, drafts: list[int], q: object) -> None:
+        if self.draft_ahead_on and drafts:
+            sess.replied = _Block(list(job.committed), job.k, job.sampling, job.seed,
+                                  list(drafts), q, len(job.session.tokens))
+
+    def _prepared(self, sess: _Session, it: ProposeItem) -> ProposeOutcome | None:
+        """The block drafted ahead for this call, if it is this call's (the same committed
+        tokens, k and sampling); else None, the cache cropped back to before the ahead."""
+        ahead, sess.ahead, sess.replied = sess.ahead, None, None
+        if ahead is None or sess.model is None:
+            return None
+        model = sess.model
+        if (ahead.committed == sess.committed and ahead.k == it.k
+                and ahead.sampling == it.sampling and ahead.seed == (it.sampling.seed or 0)):
+            self.ahead["hits"] += 1
+            record = RepairRecord(len(model.tokens), len(model.tokens), 0)
+            if self.draft_ahead_on:  # the next ahead starts from this block
+                sess.replied = _Block(ahead.committed, ahead.k, ahead.sampling, ahead.seed,
+                                      ahead.drafts, ahead.q, len(model.tokens))
+            return ProposeOutcome(list(ahead.drafts), ahead.q, repair=record, ahead=True)
+        self.ahead["misses"] += 1
+        keep = min(ahead.base, len(model.tokens))
+        model.cache.crop(keep)
+        model.tokens = model.tokens[:keep]
+        return None
+
+    @property
+    def ahead_pending(self) -> bool:
+        return any(s.replied is not None for s in self._sessions.values())
+
+    def draft_ahead(self) -> int:
+        """Draft ahead for every session whose last draft-model reply is out (see the
+        module's doc): one batched step guesses each row's extra token b after its drafts,
+        then each cache is cropped back to where the reply left it and k steps draft after
+        committed + drafts + b, the last draft and b fed together as a call would feed
+        them. Returns the rows drafted ahead."""
+        assert self.lean is not None or not self.ahead_pending
+        todo = []
+        for sid, sess in self._sessions.items():
+            r, sess.replied = sess.replied, None
+            if r is None or sess.model is None or sess.model.tokens != (
+                    r.committed + r.drafts)[:r.base]:
+                continue  # a release or a later call got there first
+            if len(r.committed) + 2 * r.k + 1 > self.lean.max_len:
+                continue
+            todo.append((sid, sess, r))
+        if not todo:
+            return 0
+        guesses = propose_batch(self.lean, [
+            DraftJob(s.model, r.committed + r.drafts, 1, r.sampling, r.seed)
+            for _, s, r in todo])
+        jobs = []
+        for (_, s, r), (b, _, _) in zip(todo, guesses, strict=True):
+            s.model.cache.crop(r.base)
+            s.model.tokens = s.model.tokens[:r.base]
+            jobs.append(DraftJob(s.model, [*r.committed, *r.drafts, *b], r.k, r.sampling,
+                                 r.seed))
+        for (_, s, r), job, (drafts, q, _) in zip(todo, jobs, propose_batch(self.lean, jobs),
+                                                  strict=True):
+            s.ahead = _Block(list(job.committed), r.k, r.sampling, r.seed, drafts, q, r.base)
+        self.ahead["drafted"] += len(todo)
+        return len(todo)
 
     def _admit(self, it: ProposeItem, served: set[str]) -> _Session | None:
         """The item's session with its committed tokens updated; None on a cache miss."""

@@ -82,14 +82,14 @@ def propose_outcome_to_proto(o: ProposeOutcome, call_id: int, replica: str,
     return pb.ProposeReply(
         call_id=call_id, draft_tokens=o.draft_tokens, draft_probs=probs_to_bytes(o.draft_probs),
         cache_miss=o.cache_miss, repair=repair_to_proto(o.repair), replica=replica,
-        compute_us=compute_us)
+        compute_us=compute_us, ahead=o.ahead)
 
 
 def propose_outcome_from_proto(msg: pb.ProposeReply) -> ProposeOutcome:
     """q stays in wire form (bytes): the router passes it to the target untouched."""
     return ProposeOutcome(
         list(msg.draft_tokens), msg.draft_probs or None, msg.cache_miss, repair_from_proto(msg),
-        CallInfo(replica=msg.replica, compute_s=msg.compute_us / 1e6))
+        CallInfo(replica=msg.replica, compute_s=msg.compute_us / 1e6), ahead=msg.ahead)
 
 
 # ----------------------------------------------------------------- target

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.proto_gen.specserve.v1 import specserve_pb2 as specserve_dot_v1_dot_specserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/internal.proto\x12\x0cspecserve.v1\x1a\x1cspecserve/v1/specserve.proto\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"?\n\x0b\x43\x61\x63heRepair\x12\x15\n\rcached_before\x18\x01 \x01(\r\x12\x0c\n\x04kept\x18\x02 \x01(\r\x12\x0b\n\x03\x66\x65\x64\x18\x03 \x01(\r\"\xef\x01\n\x0eProposeRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x14\n\x0ctokens_start\x18\x05 \x01(\r\x12\x0e\n\x06tokens\x18\x06 \x03(\x05\x12\t\n\x01k\x18\x07 \x01(\r\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12(\n\x08sampling\x18\t \x01(\x0b\x32\x16.specserve.v1.Sampling\x12\x0f\n\x07release\x18\n \x01(\x08\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\"\xbd\x01\n\x0cProposeReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x01(\x0c\x12\x12\n\ncache_miss\x18\x04 \x01(\x08\x12)\n\x06repair\x18\x05 \x01(\x0b\x32\x19.specserve.v1.CacheRepair\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncompute_us\x18\x08 \x01(\r\"\xa4\x02\n\rVerifyRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x14\n\x0ctokens_start\x18\x05 \x01(\r\x12\x0e\n\x06tokens\x18\x06 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x07 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x08 \x01(\x0c\x12(\n\x08sampling\x18\t \x01(\x0b\x32\x16.specserve.v1.Sampling\x12\x0f\n\x07release\x18\n \x01(\x08\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x15\n\x08logprobs\x18\x14 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"\xb7\x02\n\x0bVerifyReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x13\n\x0b\x65xtra_token\x18\x03 \x01(\x05\x12\r\n\x05\x62onus\x18\x04 \x01(\x08\x12\x12\n\ncache_miss\x18\x05 \x01(\x08\x12)\n\x06repair\x18\x06 \x01(\x0b\x32\x19.specserve.v1.CacheRepair\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x0f\n\x07replica\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x12\n\ncompute_us\x18\n \x01(\r\x12,\n\x08logprobs\x18\x14 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x14\n\x0c\x62\x61tch_tokens\x18\x1e \x01(\r\x12\x12\n\nqueue_rows\x18\x1f \x01(\r\":\n\x0cProposeBatch\x12*\n\x04rows\x18\x01 \x03(\x0b\x32\x1c.specserve.v1.ProposeRequest\"=\n\x0eProposeReplies\x12+\n\x07replies\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.ProposeReply\"8\n\x0bVerifyBatch\x12)\n\x04rows\x18\x01 \x03(\x0b\x32\x1b.specserve.v1.VerifyRequest\";\n\rVerifyReplies\x12*\n\x07replies\x18\x01 \x03(\x0b\x32\x19.specserve.v1.VerifyReply2R\n\x07\x44rafter\x12G\n\x07Propose\x12\x1a.specserve.v1.ProposeBatch\x1a\x1c.specserve.v1.ProposeReplies(\x01\x30\x01\x32N\n\x06Target\x12\x44\n\x06Verify\x12\x19.specserve.v1.VerifyBatch\x1a\x1b.specserve.v1.VerifyReplies(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/internal.proto\x12\x0cspecserve.v1\x1a\x1cspecserve/v1/specserve.proto\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"?\n\x0b\x43\x61\x63heRepair\x12\x15\n\rcached_before\x18\x01 \x01(\r\x12\x0c\n\x04kept\x18\x02 \x01(\r\x12\x0b\n\x03\x66\x65\x64\x18\x03 \x01(\r\"\xef\x01\n\x0eProposeRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x14\n\x0ctokens_start\x18\x05 \x01(\r\x12\x0e\n\x06tokens\x18\x06 \x03(\x05\x12\t\n\x01k\x18\x07 \x01(\r\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12(\n\x08sampling\x18\t \x01(\x0b\x32\x16.specserve.v1.Sampling\x12\x0f\n\x07release\x18\n \x01(\x08\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\"\xcc\x01\n\x0cProposeReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x01(\x0c\x12\x12\n\ncache_miss\x18\x04 \x01(\x08\x12)\n\x06repair\x18\x05 \x01(\x0b\x32\x19.specserve.v1.CacheRepair\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncompute_us\x18\x08 \x01(\r\x12\r\n\x05\x61head\x18\t \x01(\x08\"\xa4\x02\n\rVerifyRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x14\n\x0ctokens_start\x18\x05 \x01(\r\x12\x0e\n\x06tokens\x18\x06 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x07 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x08 \x01(\x0c\x12(\n\x08sampling\x18\t \x01(\x0b\x32\x16.specserve.v1.Sampling\x12\x0f\n\x07release\x18\n \x01(\x08\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x15\n\x08logprobs\x18\x14 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"\xb7\x02\n\x0bVerifyReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x13\n\x0b\x65xtra_token\x18\x03 \x01(\x05\x12\r\n\x05\x62onus\x18\x04 \x01(\x08\x12\x12\n\ncache_miss\x18\x05 \x01(\x08\x12)\n\x06repair\x18\x06 \x01(\x0b\x32\x19.specserve.v1.CacheRepair\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x0f\n\x07replica\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x12\n\ncompute_us\x18\n \x01(\r\x12,\n\x08logprobs\x18\x14 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x14\n\x0c\x62\x61tch_tokens\x18\x1e \x01(\r\x12\x12\n\nqueue_rows\x18\x1f \x01(\r\":\n\x0cProposeBatch\x12*\n\x04rows\x18\x01 \x03(\x0b\x32\x1c.specserve.v1.ProposeRequest\"=\n\x0eProposeReplies\x12+\n\x07replies\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.ProposeReply\"8\n\x0bVerifyBatch\x12)\n\x04rows\x18\x01 \x03(\x0b\x32\x1b.specserve.v1.VerifyRequest\";\n\rVerifyReplies\x12*\n\x07replies\x18\x01 \x03(\x0b\x32\x19.specserve.v1.VerifyReply2R\n\x07\x44rafter\x12G\n\x07Propose\x12\x1a.specserve.v1.ProposeBatch\x1a\x1c.specserve.v1.ProposeReplies(\x01\x30\x01\x32N\n\x06Target\x12\x44\n\x06Verify\x12\x19.specserve.v1.VerifyBatch\x1a\x1b.specserve.v1.VerifyReplies(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,21 +39,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEREQUEST']._serialized_start=218
   _globals['_PROPOSEREQUEST']._serialized_end=457
   _globals['_PROPOSEREPLY']._serialized_start=460
-  _globals['_PROPOSEREPLY']._serialized_end=649
-  _globals['_VERIFYREQUEST']._serialized_start=652
-  _globals['_VERIFYREQUEST']._serialized_end=944
-  _globals['_VERIFYREPLY']._serialized_start=947
-  _globals['_VERIFYREPLY']._serialized_end=1258
-  _globals['_PROPOSEBATCH']._serialized_start=1260
-  _globals['_PROPOSEBATCH']._serialized_end=1318
-  _globals['_PROPOSEREPLIES']._serialized_start=1320
-  _globals['_PROPOSEREPLIES']._serialized_end=1381
-  _globals['_VERIFYBATCH']._serialized_start=1383
-  _globals['_VERIFYBATCH']._serialized_end=1439
-  _globals['_VERIFYREPLIES']._serialized_start=1441
-  _globals['_VERIFYREPLIES']._serialized_end=1500
-  _globals['_DRAFTER']._serialized_start=1502
-  _globals['_DRAFTER']._serialized_end=1584
-  _globals['_TARGET']._serialized_start=1586
-  _globals['_TARGET']._serialized_end=1664
+  _globals['_PROPOSEREPLY']._serialized_end=664
+  _globals['_VERIFYREQUEST']._serialized_start=667
+  _globals['_VERIFYREQUEST']._serialized_end=959
+  _globals['_VERIFYREPLY']._serialized_start=962
+  _globals['_VERIFYREPLY']._serialized_end=1273
+  _globals['_PROPOSEBATCH']._serialized_start=1275
+  _globals['_PROPOSEBATCH']._serialized_end=1333
+  _globals['_PROPOSEREPLIES']._serialized_start=1335
+  _globals['_PROPOSEREPLIES']._serialized_end=1396
+  _globals['_VERIFYBATCH']._serialized_start=1398
+  _globals['_VERIFYBATCH']._serialized_end=1454
+  _globals['_VERIFYREPLIES']._serialized_start=1456
+  _globals['_VERIFYREPLIES']._serialized_end=1515
+  _globals['_DRAFTER']._serialized_start=1517
+  _globals['_DRAFTER']._serialized_end=1599
+  _globals['_TARGET']._serialized_start=1601
+  _globals['_TARGET']._serialized_end=1679
 # @@protoc_insertion_point(module_scope)

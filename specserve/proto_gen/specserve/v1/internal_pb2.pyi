@@ -56,7 +56,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tokens_start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., mode: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
-    __slots__ = ("call_id", "draft_tokens", "draft_probs", "cache_miss", "repair", "replica", "error", "compute_us")
+    __slots__ = ("call_id", "draft_tokens", "draft_probs", "cache_miss", "repair", "replica", "error", "compute_us", "ahead")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class ProposeReply(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: bytes
@@ -73,7 +74,8 @@ class ProposeReply(_message.Message):
     replica: str
     error: str
     compute_us: int
-    def __init__(self, call_id: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, call_id: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("call_id", "request_id", "session_id", "committed_len", "tokens_start", "tokens", "draft_tokens", "draft_probs", "sampling", "release", "traceparent", "logprobs")

@@ -1,0 +1,81 @@
+"""Draft-ahead (issue 16): while the target verifies, the drafter prepares the next round for
+"all k accepted, then the drafter's own next token". A call whose committed tokens are that
+outcome gets the prepared block; any other call is served as if nothing had been drafted
+ahead. Either way every reply (drafts, q bitwise, repair of the cache) equals a drafter
+without draft-ahead given the same calls: greedy and seeded sampled rows, hits and misses
+(a rejection; all accepted but another extra token; k changed; prompt lookup between)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.core.sampling import SamplingParams
+from specserve.engine.drafter import DrafterEngine, ProposeItem
+from specserve.engine.lean import LeanLlama
+
+
+@pytest.fixture(scope="module")
+def lean(builtin_pair):
+    return LeanLlama(builtin_pair.drafter)
+
+
+@pytest.fixture(scope="module")
+def prompts(builtin_pair, heldout):
+    tok = builtin_pair.tokenizer
+    return [tok(p, add_special_tokens=False)["input_ids"][:40] for p in heldout[:3]]
+
+
+# each round: (accepted drafts, the extra token: "guess" = the drafter's own guess, the one
+# drafted ahead for; "other": a different one), k, mode
+SCRIPT = [(4, "guess", 4, "draft"), (4, "guess", 4, "draft"), (1, "other", 4, "draft"),
+          (4, "other", 4, "draft"), (4, "guess", 4, "draft"), (0, "other", 4, "draft"),
+          (4, "guess", 2, "draft"), (2, "guess", 2, "draft"), (2, "guess", 2, "ngram"),
+          (0, "other", 2, "draft"), (2, "guess", 2, "draft"), (2, "guess", 2, "draft")]
+
+
+def _item(sid, committed, start, k, mode, sampling):
+    return ProposeItem(sid, len(committed), start, committed[start:], k, mode, sampling)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9,
+                                                                        top_p=0.95, seed=7)])
+def test_draft_ahead_replies_equal_drafting_on_request(lean, prompts, sampling):
+    on = DrafterEngine(lean, draft_ahead=True)
+    off = DrafterEngine(lean)
+    vocab = int(lean.config.vocab_size)
+    committed = {f"s{i}": list(p) for i, p in enumerate(prompts)}
+    sent = dict.fromkeys(committed, 0)
+    hits = 0
+    for accepted, extra, k, mode in SCRIPT:
+        items = [_item(sid, c, sent[sid], k, mode, sampling) for sid, c in committed.items()]
+        got, want = on.propose(items), off.propose(items)
+        for g, w in zip(got, want, strict=True):
+            assert g.draft_tokens == w.draft_tokens
+            assert (g.draft_probs is None) == (w.draft_probs is None)
+            if w.draft_probs is not None:
+                assert torch.equal(g.draft_probs, w.draft_probs)  # bitwise
+            hits += g.ahead
+        assert on.draft_ahead() == (len(committed) if mode == "draft" else 0)
+        for (sid, c), o in zip(committed.items(), want, strict=True):
+            sent[sid] = len(c)
+            ahead = on._sessions[sid].ahead
+            guess = ahead.committed[-1] if ahead is not None else 0
+            drafts = o.draft_tokens[:accepted]
+            c += [*drafts, guess if extra == "guess" and len(drafts) == len(o.draft_tokens)
+                  else (guess + 1) % vocab]
+        for sid in committed:  # the cache a miss leaves is what drafting on request left
+            a, b = on._sessions[sid].model, off._sessions[sid].model
+            assert a.tokens[:len(b.tokens)] == b.tokens
+    stats = on.stats()
+    assert hits == stats["ahead_hits"] > 0 and stats["ahead_misses"] > 0
+    assert stats["ahead_drafted"] == 11 * len(committed)
+    assert off.stats()["ahead_drafted"] == 0
+
+
+def test_a_released_session_is_not_drafted_ahead(lean, prompts):
+    on = DrafterEngine(lean, draft_ahead=True)
+    on.propose([_item("a", prompts[0], 0, 3, "draft", SamplingParams())])
+    assert on.ahead_pending
+    on.release("a")
+    assert not on.ahead_pending and on.draft_ahead() == 0
