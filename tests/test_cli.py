@@ -40,6 +40,7 @@ def test_generate_streams_text_only_to_stdout():
         (["bench", "--ks", "a,b"], "--ks"),
         (["bench", "--suite", "--classes", "code-short,nope"], "--classes: unknown ['nope']"),
         (["bench", "--suite", "--concurrency", "coarse"], "--concurrency"),
+        (["bench", "--draft-ahead"], "--draft-ahead: only with --service"),
         (["serve", "--tls-cert", "/nonexistent.pem"], "tls_cert and tls_key"),
         (["serve", "--tls-cert", "/nonexistent.pem", "--tls-key", "/x.pem"], "--tls-cert"),
         (["serve", "--api-keys-file", "/nonexistent-keys"], "--api-keys-file"),

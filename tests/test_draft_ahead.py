@@ -79,3 +79,45 @@ def test_a_released_session_is_not_drafted_ahead(lean, prompts):
     assert on.ahead_pending
     on.release("a")
     assert not on.ahead_pending and on.draft_ahead() == 0
+
+
+def test_the_drafter_server_drafts_ahead_between_calls(lean, prompts):
+    """Through the drafter's gRPC servicer: after a reply the batcher drafts ahead; the
+    next call for that outcome is answered from it (``ahead`` on the wire), with the drafts
+    a drafter without draft-ahead gives."""
+    import asyncio
+
+    from drafter_service.server import DrafterServicer
+    from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
+    from specserve.service.wire import propose_item_from_proto, propose_outcome_from_proto
+
+    def msg(call_id, ids, start):
+        return pb.ProposeRequest(call_id=call_id, session_id="s", committed_len=len(ids),
+                                 tokens_start=start, tokens=ids[start:], k=3, mode="draft",
+                                 sampling=pb.Sampling(top_p=1.0))
+
+    async def run():
+        servicer = DrafterServicer(DrafterEngine(lean, draft_ahead=True), "d0")
+        servicer.start()
+        try:
+            committed = list(prompts[0])
+            first = await servicer._propose(msg(1, committed, 0))
+            while servicer.engine._sessions["s"].ahead is None:  # the batcher's next step
+                await asyncio.sleep(0.001)
+            guess = servicer.engine._sessions["s"].ahead.committed[-1]
+            nxt = [*committed, *first.draft_tokens, guess]
+            second = await servicer._propose(msg(2, nxt, len(committed)))
+            return servicer, [(msg(1, committed, 0), first), (msg(2, nxt, 0), second)]
+        finally:
+            servicer._batcher.cancel()
+            servicer._reaper.cancel()
+
+    servicer, calls = asyncio.run(run())
+    assert [r.ahead for _, r in calls] == [False, True]
+    ref = DrafterEngine(lean)
+    for m, r in calls:
+        assert not r.error
+        got = propose_outcome_from_proto(r)
+        assert got.ahead == r.ahead
+        assert got.draft_tokens == ref.propose([propose_item_from_proto(m)])[0].draft_tokens
+    assert servicer.ahead_s > 0 and servicer.engine.stats()["ahead_hits"] == 1

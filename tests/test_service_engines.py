@@ -112,6 +112,22 @@ def test_sampled_rows_do_not_depend_on_batch(builtin_pair, generator, prompts, r
     assert len({tuple(o) for o in sampled_alone}) == len(SAMPLED)
 
 
+def test_draft_ahead_changes_no_output(builtin_pair, generator, prompts, references,
+                                      sampled_alone):
+    """Draft-ahead on (the drafter prepares each row's next round while the target
+    verifies): greedy rows still equal the single-sequence engine and seeded sampled rows
+    give the same tokens as without it, while rounds were served from prepared blocks."""
+    mixed = sampled_requests(prompts) + greedy_requests(prompts)[len(SAMPLED):]
+    drafter = DrafterEngine(generator.lean, draft_ahead=True)
+    target = TargetEngine(builtin_pair.target)
+    res = run_lockstep(drafter, target, mixed, builtin_pair.eos_token_id)
+    assert [r.output for r in res[: len(SAMPLED)]] == sampled_alone
+    assert [r.output for r in res[len(SAMPLED):]] == references[len(SAMPLED):]
+    st = drafter.stats()
+    assert sum(r.stats.drafted_ahead for r in res) == st["ahead_hits"] > 0
+    assert st["ahead_misses"] > 0 and st["ahead_drafted"] >= st["ahead_hits"]
+
+
 def test_evictions_force_misses_and_outputs_are_unchanged(builtin_pair, generator, prompts,
                                                           references, sampled_alone):
     reqs = greedy_requests(prompts)[:4] + sampled_requests(prompts)[:2]

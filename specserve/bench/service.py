@@ -121,6 +121,7 @@ def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_re
             [r["stats"].get("accepted_per_position", []) for r in done]),
         "plans": plan_mix([r["stats"] for r in done]),
         "drafts": sum(r["stats"].get("drafts", 0) for r in done),
+        "drafted_ahead": sum(r["stats"].get("drafted_ahead", 0) for r in done),
         "latencies_ms": [round(r["latency"] * 1000, 3) for r in done],
         "outputs": [r["tokens"] if r is not None else None for r in results],
     }
@@ -171,6 +172,11 @@ def _replica_side(service: Any, run: Callable[[], dict]) -> dict:
         "turnaround_p90_ms": t1["turnaround_p90_ms"],
         "drafter_mean_batch_rows": round(
             (d1["rows"] - d0["rows"]) / max(1, d1["batches"] - d0["batches"]), 2),
+        # draft-ahead: drafter time spent ahead (while the target verified) and the outcomes
+        "drafter_compute_s": round(d1.get("compute_s", 0.0) - d0.get("compute_s", 0.0), 3),
+        "drafter_ahead_s": round(d1.get("ahead_s", 0.0) - d0.get("ahead_s", 0.0), 3),
+        **{f"ahead_{k}": d1.get(f"ahead_{k}", 0) - d0.get(f"ahead_{k}", 0)
+           for k in ("drafted", "hits", "misses")},
         "cpu_cores": {k: round((c1[k] - c0.get(k, 0.0)) / wall, 3) for k in sorted(c1)
                       if c1[k] - c0.get(k, 0.0) > 0.005 * wall},
     }
@@ -252,15 +258,18 @@ def run_service_bench(
     server: str | Callable[..., Any], target: str, drafter: str, concurrency: list[int],
     ks: list[int], max_tokens: int, out_dir: Path, requests_per_level: int = 8,
     ngram_k: int = 4, only: list[str] | None = None, inprocess: bool = True,
+    app_config: dict | None = None,
 ) -> dict:
     """``server``: HOST:PORT of a running service, or a function that starts one locally
     (``start_local(config, port=...)``; its router's round split, the replicas' side and
     the in-process reference are then reported too). ``only``: the configurations to run
-    (names as in the report: off, draft_k2, ngram_k4, auto); spec-off always runs."""
+    (names as in the report: off, draft_k2, ngram_k4, auto); spec-off always runs.
+    ``app_config``: more of the started service's AppConfig (e.g. draft-ahead on)."""
     service = None
     router_stats = None
     if callable(server):
-        service = server({"models": {"target": target, "drafter": drafter}}, port=_free_port())
+        service = server({"models": {"target": target, "drafter": drafter},
+                          **(app_config or {})}, port=_free_port())
         server = service.grpc_address
         router_stats, reset = service.router_stats, service.reset_router_stats
     prompts = heldout_prompts(n=max(requests_per_level, max(concurrency)))
@@ -327,6 +336,7 @@ def run_service_bench(
         "server": server if service is None else "started by the bench (local Ray)",
         "pair": {"target": target, "drafter": drafter},
         "max_tokens": max_tokens, "levels": levels, "single_process_tokens_per_s": single,
+        "app_config": app_config or {},
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "service.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -1,7 +1,9 @@
 """Many requests in lock-step over in-process engines: the one round per request
 (``specserve.rounds.speculate``), with transports that hold every call until all live
 requests are waiting, then call the engine once for all of them (one drafter call, then one
-target forward per round). What the multi-session engine tests drive; no Ray, no gRPC.
+target forward per round; a drafter with draft-ahead drafts ahead before each target call,
+as its server does while the target verifies). What the multi-session engine tests drive;
+no Ray, no gRPC.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Lockstep:
         calls, self._queues[component] = self._queues[component], []
         engine_call = self.drafter.propose if d else self.target.verify
         self.rounds += component == "target"
+        if not d and self.drafter.draft_ahead_on:  # the drafter's server does it meanwhile
+            self.drafter.draft_ahead()
         size = self.max_batch or len(calls)
         for i in range(0, len(calls), size):
             group = calls[i : i + size]
