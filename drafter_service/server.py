@@ -94,7 +94,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                     "specserve.k": msg.k, "specserve.drafted": len(reply.draft_tokens),
                     "specserve.cache": "miss" if reply.cache_miss else "hit",
                     "specserve.rolled_back": rep.cached_before - rep.kept,
-                    "specserve.fed": rep.fed, "specserve.compute_us": reply.compute_us})
+                    "specserve.fed": rep.fed, "specserve.compute_us": reply.compute_us,
+                    "specserve.ahead": reply.ahead})
                 if reply.error:
                     from opentelemetry.trace import Status, StatusCode
 

@@ -103,6 +103,7 @@ class TracingObserver(Observer):
             span.set_attributes({
                 "specserve.round": o.round_no, "specserve.k": o.k if o.drafted else 0,
                 "specserve.drafted": o.drafted, "specserve.accepted": o.decision.num_accepted,
+                "specserve.drafted_ahead": bool(o.proposal.ahead and o.drafted),
                 "specserve.extra_token": ("bonus" if o.drafted and o.decision.bonus
                                           else "recovered" if o.drafted else "plain"),
                 "specserve.committed_len": len(state.committed),
@@ -162,6 +163,8 @@ class MetricsObserver(Observer):
         self.m.round(state.spec, o.round_s, o.propose_s, o.verify_s, d_compute,
                      o.verdict.call.compute_s, o.drafted, len(o.decision.tokens))
         self.m.decision(o.plan.reason, o.plan.proposer)
+        if o.proposal.ahead and o.drafted:
+            self.m.drafted_ahead.inc(1, self.m._t(spec=state.spec))
         if self._first:
             self.m.first_token(state.spec, state.stats.ttft_s)
             self._first = False

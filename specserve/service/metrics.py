@@ -105,6 +105,11 @@ class RouterMetrics:
             "Rounds by the policy's decision: the reason (goodput, low_acceptance, saturated, "
             "no_lookup_match, drafter_unavailable, budget, sampled; fixed / off for explicit "
             "modes) and the proposer chosen (draft, ngram, none).", ("reason", "proposer"))
+        self.drafted_ahead = Counter(
+            "specserve_drafted_ahead_rounds",
+            "Drafted rounds whose drafts the drafter had prepared ahead while the round before "
+            "verified (drafter.draft_ahead hits; the hit rate is this over "
+            "specserve_spec_decode_num_drafts).", ("spec",))
         self.prior_errors = Counter(
             "specserve_spec_prior_errors",
             "Reads or writes of the fleet's acceptance priors (Redis) that failed; spec=auto "
