@@ -22,11 +22,14 @@ Why the whole batch: the target's step waits for every row of its cohort, and th
 serves the rows that draft together in one step, so drafting pays or costs per batch. A
 row that scored itself alone against the batch as it is (others plain) would charge one
 row's gain with the whole drafter step and never start drafting in a batch that does not
-draft yet; each row scoring the batch's common choice escapes that (every auto row runs
-this policy on the same cost model, so they choose alike). Under load the verify time of
-the extra tokens outgrows their gain, so k falls smoothly to 0 (spec-off); there is no
-table of steps. (A request among rows that never draft, fixed spec-off traffic, is scored
-as if they followed it: the model's one known blind spot.)
+draft yet. And a row that skips the proposer while the others draft arrives early at the
+target and splits the cohort. So a row among others (``in_batch``) takes the batch's
+decision, whether to propose at all, from what every row of it sees alike (the router's
+pooled acceptance, the shared cost model, the batch's rows), and only then its own
+proposer and k >= 1 by its own acceptance; a row alone chooses freely. Under load the
+verify time of the extra tokens outgrows their gain, so the batch turns to k = 0
+(spec-off); there is no table of steps. (A request among rows that never draft, fixed
+spec-off traffic, is scored as if they followed it: the model's one known blind spot.)
 
 Each plan says why: ``goodput`` (speculating pays), ``low_acceptance`` (it would not pay
 even alone), ``saturated`` (it would pay alone, not in this batch), ``no_lookup_match``
@@ -46,6 +49,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from specserve.api import MAX_K
 from specserve.core.ngram import propose_ngram
 from specserve.rounds import NO_SPECULATION, FixedK, Plan, Policy, max_k
 
@@ -58,21 +62,23 @@ REASONS = ("goodput", "low_acceptance", "saturated", "no_lookup_match", "drafter
 PRIOR_ACCEPTANCE = {"draft": 0.6, "ngram": 0.5}  # before any observation, fleet or own
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observations per position
 MIN_STEP = 0.1  # the moving estimate never weighs a new observation less than this
+POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its requests' rounds)
 
 
 class Acceptance:
     """Per-position conditional acceptance alpha_i = P(accept i | accepted 0..i-1) of one
     proposer for one request: a moving estimate that starts at ``prior`` (weight
-    ``PRIOR_WEIGHT`` observations) and then follows the request (step >= ``MIN_STEP``)."""
+    ``PRIOR_WEIGHT`` observations) and then follows the request (step >= ``min_step``)."""
 
-    def __init__(self, prior: Sequence[float]):
+    def __init__(self, prior: Sequence[float], min_step: float = MIN_STEP):
         self.alpha = list(prior)
         self.seen = [0] * len(prior)
+        self.min_step = min_step
 
     def observe(self, drafted: int, accepted: int) -> None:
         for i in range(min(drafted, accepted + 1, len(self.alpha))):  # positions reached
             self.seen[i] += 1
-            step = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), MIN_STEP)
+            step = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), self.min_step)
             self.alpha[i] += step * (float(i < accepted) - self.alpha[i])
 
     def expected(self, k: int) -> float:
@@ -174,6 +180,9 @@ class CostModel:
     call_s: dict[str, float] = field(default_factory=dict)  # proposer -> fixed call time
     overhead_s: float = 0.0
     profiled: int = 0  # points seeded from replicas' start-up profiles
+    # every request's rounds together, per proposer: what a batch's rows decide on together
+    pooled: dict[str, Acceptance] = field(default_factory=lambda: {
+        p: Acceptance([PRIOR_ACCEPTANCE[p]] * MAX_K, POOLED_STEP) for p in PROPOSERS})
 
     def verify_s(self, rows: float, tokens: float) -> float:
         return self.verify.predict((rows, tokens - rows), self.default_verify_s)
@@ -254,19 +263,23 @@ class GoodputPolicy:
         out += [("ngram", k) for k in range(1, len(match) + 1)]
         return out
 
-    def score(self, proposer: str | None, k: int, others: int) -> tuple[float, Plan]:
+    def score(self, proposer: str | None, k: int, others: int,
+              acceptance: dict[str, Acceptance] | None = None) -> tuple[float, Plan]:
         """The goodput (tokens / s) of a batch of this row and ``others`` in which every
-        row takes this plan: its expected committed tokens and the round's time (one
-        drafter step for the rows drafting together, one target forward)."""
+        row takes this plan: its expected committed tokens (by ``acceptance``, default
+        this request's) and the round's time (one drafter step for the rows drafting
+        together, one target forward)."""
         c, rows = self.cost, others + 1
-        e = self.acceptance[proposer].expected(k) if proposer else 1.0
+        e = (acceptance or self.acceptance)[proposer].expected(k) if proposer else 1.0
         t = c.overhead_s + c.propose_s(proposer, k, rows) + c.verify_s(rows, rows * (1 + k))
         return rows * e / t, Plan(proposer, k, "goodput", e, t)
 
-    def best(self, cands: list[tuple[str, int]], others: int) -> Plan:
-        best, plan = self.score(None, 0, others)
+    def best(self, cands: list[tuple[str, int]], others: int,
+             acceptance: dict[str, Acceptance] | None = None, nobody: bool = True) -> Plan:
+        """The best of ``cands`` (and of nobody proposing, unless ``nobody`` is False)."""
+        best, plan = self.score(None, 0, others) if nobody else (0.0, NO_SPECULATION)
         for p, k in cands:
-            g, candidate = self.score(p, k, others)
+            g, candidate = self.score(p, k, others, acceptance)
             if g > best * (1 + 1e-9):
                 best, plan = g, candidate
         return plan
@@ -281,13 +294,29 @@ class GoodputPolicy:
         if not state.sampling.greedy:
             return self.reproducible(state, k_cap)
         cands = self.candidates(state, k_cap)
+        if self.others > 0:
+            return self.in_batch(cands, k_cap)
         if not cands:
             return Plan(None, 0, "no_lookup_match", 1.0)
-        plan = self.best(cands, self.others)
-        if plan.k > 0:
-            return plan
-        alone = self.best(cands, 0)  # would it pay without the others?
-        return replace(plan, reason="saturated" if alone.k > 0 else "low_acceptance")
+        plan = self.best(cands, 0)  # alone: its own best, nobody included
+        return plan if plan.k > 0 else replace(plan, reason="low_acceptance")
+
+    def in_batch(self, cands: list[tuple[str, int]], k_cap: int) -> Plan:
+        """A row among others keeps in step with them: the target's step waits for its
+        cohort, so a row that skipped the proposer while the others drafted would arrive
+        early, wait, or split the batch (measured: a third fewer rows per forward). So
+        whether the batch proposes at all is decided on what every row of it sees alike,
+        the router's pooled acceptance and the shared cost model; then each row picks its
+        own proposer and k >= 1 by its own acceptance (a row with no drafter and no lookup
+        match sends an empty lookup, which keeps it in step)."""
+        shared = [("draft" if self.has_drafter else "ngram", k) for k in range(1, k_cap + 1)]
+        batch = self.best(shared, self.others, self.cost.pooled)
+        if batch.k == 0:
+            alone = self.best(shared, 0, self.cost.pooled)  # would it pay without the others?
+            return replace(batch, reason="saturated" if alone.k > 0 else "low_acceptance")
+        if not cands:
+            return Plan("ngram", k_cap, "no_lookup_match", 1.0)
+        return self.best(cands, self.others, nobody=False)
 
     def reproducible(self, state: RequestState, k_cap: int) -> Plan:
         """A sampled request's plan: a function of its committed tokens alone, so that its
@@ -309,6 +338,7 @@ class GoodputPolicy:
         p = o.plan.proposer
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)
+            self.cost.pooled[p].observe(o.drafted, o.decision.num_accepted)
             tried, acc = self.counts[p]
             for i in range(min(o.drafted, o.decision.num_accepted + 1, self.k_max)):
                 tried[i] += 1
