@@ -12,18 +12,17 @@ import torch
 
 from specserve.core.sampling import SamplingParams
 from specserve.engine.drafter import DrafterEngine, ProposeItem
-from specserve.engine.lean import LeanLlama
 
 
 @pytest.fixture(scope="module")
-def lean(builtin_pair):
-    return LeanLlama(builtin_pair.drafter)
+def lean(generator):
+    return generator.lean  # the built-in pair's lean drafter
 
 
 @pytest.fixture(scope="module")
 def prompts(builtin_pair, heldout):
-    tok = builtin_pair.tokenizer
-    return [tok(p, add_special_tokens=False)["input_ids"][:40] for p in heldout[:3]]
+    return [builtin_pair.tokenizer(p, add_special_tokens=False)["input_ids"][:40]
+            for p in heldout[:3]]
 
 
 # each round: (accepted drafts, the extra token: "guess" = the drafter's own guess, the one
