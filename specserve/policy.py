@@ -22,14 +22,16 @@ Why the whole batch: the target's step waits for every row of its cohort, and th
 serves the rows that draft together in one step, so drafting pays or costs per batch. A
 row that scored itself alone against the batch as it is (others plain) would charge one
 row's gain with the whole drafter step and never start drafting in a batch that does not
-draft yet. And a row that skips the proposer while the others draft arrives early at the
-target and splits the cohort. So a row among others (``in_batch``) takes the batch's
-decision, whether to propose at all, from what every row of it sees alike (the router's
-pooled acceptance, the shared cost model, the batch's rows), and only then its own
-proposer and k >= 1 by its own acceptance; a row alone chooses freely. Under load the
-verify time of the extra tokens outgrows their gain, so the batch turns to k = 0
-(spec-off); there is no table of steps. (A request among rows that never draft, fixed
-spec-off traffic, is scored as if they followed it: the model's one known blind spot.)
+draft yet. And the rows of a batch must keep in step: one that skips the proposer while
+the others draft arrives early at the target and splits the cohort, one with more drafts
+than the others lengthens every row (attention pads them to the longest). So among others
+(``in_batch``) every row takes the batch's shared k, decided on what all of them see alike
+(the router's pooled acceptance, the shared costs, the batch's rows) and changed only for
+a clearly better one; a row alone chooses its proposer and k freely, by its own
+acceptance. Under load the verify time of the extra tokens outgrows their gain, so the
+batch turns to k = 0 (spec-off); there is no table of steps. (A request among rows that
+never draft, fixed spec-off traffic, is scored as if they followed it: the model's one
+known blind spot.)
 
 Each plan says why: ``goodput`` (speculating pays), ``low_acceptance`` (it would not pay
 even alone), ``saturated`` (it would pay alone, not in this batch), ``no_lookup_match``
@@ -63,6 +65,7 @@ PRIOR_ACCEPTANCE = {"draft": 0.6, "ngram": 0.5}  # before any observation, fleet
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observations per position
 MIN_STEP = 0.1  # the moving estimate never weighs a new observation less than this
 POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its requests' rounds)
+HYSTERESIS = 0.03  # a batch's shared k changes only for a better score by this much
 
 
 class Acceptance:
@@ -183,6 +186,8 @@ class CostModel:
     # every request's rounds together, per proposer: what a batch's rows decide on together
     pooled: dict[str, Acceptance] = field(default_factory=lambda: {
         p: Acceptance([PRIOR_ACCEPTANCE[p]] * MAX_K, POOLED_STEP) for p in PROPOSERS})
+    rows: int = 1  # rows of the last verify reply's batch plus the target's queue
+    batch_k: int = 0  # the k the rows of a batch share (``GoodputPolicy.in_batch``)
 
     def verify_s(self, rows: float, tokens: float) -> float:
         return self.verify.predict((rows, tokens - rows), self.default_verify_s)
@@ -237,6 +242,8 @@ class CostModel:
             fixed = max(0.0, o.propose_s - (compute if p == "draft" else 0.0))
             self.call_s[p] = _ema_low(self.call_s.get(p), fixed)
         self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
+        if v.batch_size > 0:
+            self.rows = v.batch_size + v.queue_rows
 
 
 class GoodputPolicy:
@@ -252,7 +259,6 @@ class GoodputPolicy:
         self.acceptance = {
             p: Acceptance([*priors.get(p, []), *[PRIOR_ACCEPTANCE[p]] * k_max][:k_max])
             for p in PROPOSERS}
-        self.others = 0  # the other rows of the batch this row joins, and the queue
         self.counts = {p: [[0] * k_max, [0] * k_max] for p in PROPOSERS}  # tried, accepted
 
     def candidates(self, state: RequestState, k_cap: int) -> list[tuple[str, int]]:
@@ -293,30 +299,38 @@ class GoodputPolicy:
             return Plan(None, 0, "budget", 1.0)
         if not state.sampling.greedy:
             return self.reproducible(state, k_cap)
+        if self.cost.rows > 1:
+            return self.in_batch(k_cap)
         cands = self.candidates(state, k_cap)
-        if self.others > 0:
-            return self.in_batch(cands, k_cap)
         if not cands:
             return Plan(None, 0, "no_lookup_match", 1.0)
         plan = self.best(cands, 0)  # alone: its own best, nobody included
         return plan if plan.k > 0 else replace(plan, reason="low_acceptance")
 
-    def in_batch(self, cands: list[tuple[str, int]], k_cap: int) -> Plan:
-        """A row among others keeps in step with them: the target's step waits for its
-        cohort, so a row that skipped the proposer while the others drafted would arrive
-        early, wait, or split the batch (measured: a third fewer rows per forward). So
-        whether the batch proposes at all is decided on what every row of it sees alike,
-        the router's pooled acceptance and the shared cost model; then each row picks its
-        own proposer and k >= 1 by its own acceptance (a row with no drafter and no lookup
-        match sends an empty lookup, which keeps it in step)."""
-        shared = [("draft" if self.has_drafter else "ngram", k) for k in range(1, k_cap + 1)]
-        batch = self.best(shared, self.others, self.cost.pooled)
-        if batch.k == 0:
-            alone = self.best(shared, 0, self.cost.pooled)  # would it pay without the others?
-            return replace(batch, reason="saturated" if alone.k > 0 else "low_acceptance")
-        if not cands:
-            return Plan("ngram", k_cap, "no_lookup_match", 1.0)
-        return self.best(cands, self.others, nobody=False)
+    def in_batch(self, k_cap: int) -> Plan:
+        """A row among others takes the plan the batch shares: the target's step waits for
+        its whole cohort and pads attention to the longest row, so a row that skipped the
+        proposer while the others drafted would arrive early and split the cohort (measured:
+        a third fewer rows per forward at concurrency 16), and one with more drafts than
+        the others would lengthen every row. So the batch's k (its proposer: the draft
+        model, or prompt lookup without one) is decided on what all its rows see alike,
+        the router's pooled acceptance, the shared costs and the batch's rows, and kept
+        until another k scores ``HYSTERESIS`` better."""
+        c, proposer = self.cost, "draft" if self.has_drafter else "ngram"
+        others = c.rows - 1
+        scores = [self.score(proposer if k else None, k, others, c.pooled)
+                  for k in range(self.k_max + 1)]
+        best = max(range(len(scores)), key=lambda k: scores[k][0])
+        current = min(c.batch_k, self.k_max)
+        if scores[best][0] > scores[current][0] * (1 + HYSTERESIS):
+            c.batch_k = current = best
+        k = min(current, k_cap)
+        if k > 0:
+            return scores[k][1]
+        alone = max((self.score(proposer, j, 0, c.pooled) for j in range(1, self.k_max + 1)),
+                    key=lambda s: s[0])  # would it pay without the others?
+        reason = "saturated" if alone[0] > self.score(None, 0, 0)[0] else "low_acceptance"
+        return replace(scores[0][1], reason=reason)
 
     def reproducible(self, state: RequestState, k_cap: int) -> Plan:
         """A sampled request's plan: a function of its committed tokens alone, so that its
@@ -332,9 +346,6 @@ class GoodputPolicy:
 
     def observe(self, state: RequestState, o: RoundOutcome) -> None:
         self.cost.observe(o)
-        v = o.verdict
-        if v.batch_size > 0:
-            self.others = v.batch_size - 1 + v.queue_rows
         p = o.plan.proposer
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)

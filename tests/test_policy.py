@@ -151,11 +151,11 @@ def test_a_batch_that_does_not_draft_yet_is_not_stuck_there():
 
 
 def test_rows_of_a_batch_keep_in_step():
-    """Whether a batch proposes is decided on what all its rows see alike (the router's
-    pooled acceptance, the shared costs), so rows whose own acceptance differs do not
-    split: a row whose drafts are never accepted still proposes (k >= 1: skipping would
-    make it arrive at the target before the rest of its cohort), and when the batch
-    turns speculation down, every row does."""
+    """A batch's k is decided on what all its rows see alike (the router's pooled
+    acceptance, the shared costs), so rows whose own acceptance differs do not split: a
+    row whose drafts are never accepted still proposes the batch's k (skipping would make
+    it arrive at the target before the rest of its cohort; fewer drafts would not shorten
+    the others), and when the batch turns speculation down, every row does."""
     cost = CostModel()  # learns: 20 ms + 2 ms per token in the forward, drafts included
     good, bad = GoodputPolicy(cost, K, has_drafter=True), GoodputPolicy(cost, K, has_drafter=True)
     sg, sb = state(), state()
@@ -163,7 +163,7 @@ def test_rows_of_a_batch_keep_in_step():
         good.observe(sg, outcome(Plan("draft", 4, "goodput"), 4, batch_size=4))
         bad.observe(sb, outcome(Plan("draft", 4, "goodput"), 0, batch_size=4))
     pg, pb = good.choose(sg), bad.choose(sb)
-    assert pg.proposer == pb.proposer == "draft" and pg.k == K and 1 <= pb.k < pg.k
+    assert pg == pb and pg.proposer == "draft" and pg.k >= 1
     for _ in range(4):  # the target fills up, rows queue behind it
         for policy, st in ((good, sg), (bad, sb)):
             policy.observe(st, outcome(Plan("draft", 1, "goodput"), 1, batch_size=32,
