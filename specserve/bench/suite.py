@@ -150,6 +150,8 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
                                                  "token_ids": toks})
                     body["levels"][str(c)] = level
                     body.setdefault("winners", {})[str(c)] = level_winners(level)
+                    report["classes"][cls] = body
+                    _checkpoint(report, out_dir)  # an interrupted run keeps its levels
                 if poisson_rate:
                     body["open_loop"] = {name: _open_loop(client, prompts, cfg, poisson_rate,
                                                           requests_per_level)
@@ -203,7 +205,7 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
 
 
 def _checkpoint(report: dict, out_dir: Path) -> None:
-    """Write what is measured so far (an interrupted run keeps its finished classes)."""
+    """Write what is measured so far (an interrupted run keeps its finished levels)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.partial.json").write_text(json.dumps(report, indent=1) + "\n")
 
