@@ -65,6 +65,7 @@ PRIOR_ACCEPTANCE = {"draft": 0.6, "ngram": 0.5}  # before any observation, fleet
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observations per position
 MIN_STEP = 0.1  # the moving estimate never weighs a new observation less than this
 POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its requests' rounds)
+DRAFT_PROFILE_WEIGHT = 4  # observations per point of a drafter's start-up profile
 HYSTERESIS = 0.03  # a batch's shared k changes only for a better score by this much
 
 
@@ -213,8 +214,9 @@ class CostModel:
             if rows > 0 and tokens >= rows and seconds > 0:
                 self.verify.observe((rows, tokens - rows), seconds)
                 self.profiled += 1
-        for rows, seconds in _drafter_profile(draft):
-            self.draft.observe((rows,), seconds)
+        for rows, seconds in _drafter_profile(draft):  # few points: each counts as several
+            for _ in range(DRAFT_PROFILE_WEIGHT):          # against the fit's prior
+                self.draft.observe((rows,), seconds)
             self.profiled += 1
 
     def propose_s(self, proposer: str | None, k: int, rows: float = 1) -> float:
