@@ -97,7 +97,7 @@ class Acceptance:
 @dataclass
 class _Fit:
     """A linear time model ``y = theta @ (1, x_1, ...)`` by exponentially weighted least
-    squares with a ridge of two pseudo-observations per coefficient towards the prior
+    squares with a ridge of ``ridge`` pseudo-observations per coefficient towards the prior
     ``a * (1, *rel)``: a coefficient the data does not determine (always one row; every row
     with k = 0) keeps the prior's, so a k not tried lately looks as cheap as the prior
     says and gets tried. Coefficients are >= 0; ``ordered``: each slope <= the one before
@@ -106,6 +106,7 @@ class _Fit:
 
     rel: tuple[float, ...]
     ordered: bool = False
+    ridge: float = 2.0  # the prior's weight, in pseudo-observations per coefficient
     decay: float = 0.98
     xtx: np.ndarray = field(init=False)
     xty: np.ndarray = field(init=False)
@@ -141,7 +142,7 @@ class _Fit:
         w = self.xtx[0, 0]
         ratios = np.array([1.0, *self.rel])
         prior = ratios * (self.xty[0] / w) / float(ratios @ (self.xtx[0] / w))
-        lam = 2.0 * np.maximum(np.diag(self.xtx) / w, 1e-9)
+        lam = self.ridge * np.maximum(np.diag(self.xtx) / w, 1e-9)
         theta = np.maximum(np.linalg.solve(self.xtx + np.diag(lam), self.xty + lam * prior), 0.0)
         theta[0] = max(theta[0], 1e-6)
         if self.ordered:
@@ -180,7 +181,8 @@ class CostModel:
     default_verify_s: float = 0.02
     draft_rel_cost: float = 0.1  # prior: a draft step costs 10% of a one-row target forward
     verify: _Fit = field(default_factory=lambda: _Fit((0.3, 0.08), ordered=True))
-    draft: _Fit = field(default_factory=lambda: _Fit((0.05,)))  # a drafter step by its rows
+    # a drafter step by its rows; a light prior: two profiled points (1 and 8 rows) fix it
+    draft: _Fit = field(default_factory=lambda: _Fit((0.3,), ridge=0.25))
     call_s: dict[str, float] = field(default_factory=dict)  # proposer -> fixed call time
     overhead_s: float = 0.0
     profiled: int = 0  # points seeded from replicas' start-up profiles
@@ -214,10 +216,11 @@ class CostModel:
             if rows > 0 and tokens >= rows and seconds > 0:
                 self.verify.observe((rows, tokens - rows), seconds)
                 self.profiled += 1
-        for rows, seconds in _drafter_profile(draft):  # few points: each counts as several
-            for _ in range(DRAFT_PROFILE_WEIGHT):          # against the fit's prior
+        points = _drafter_profile(draft)
+        for _ in range(DRAFT_PROFILE_WEIGHT):  # few points: each counts as several, in turn
+            for rows, seconds in points:
                 self.draft.observe((rows,), seconds)
-            self.profiled += 1
+        self.profiled += len(points)
 
     def propose_s(self, proposer: str | None, k: int, rows: float = 1) -> float:
         """The proposer's call for k tokens, ``rows`` rows drafting together."""
