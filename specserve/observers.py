@@ -164,7 +164,7 @@ class MetricsObserver(Observer):
                      o.verdict.call.compute_s, o.drafted, len(o.decision.tokens))
         self.m.decision(o.plan.reason, o.plan.proposer)
         if o.proposal.ahead and o.drafted:
-            self.m.drafted_ahead.inc(1, self.m._t(spec=state.spec))
+            self.m.drafted_ahead_round(state.spec)
         if self._first:
             self.m.first_token(state.spec, state.stats.ttft_s)
             self._first = False

@@ -285,12 +285,11 @@ class GoodputPolicy:
         t = c.overhead_s + c.propose_s(proposer, k, rows) + c.verify_s(rows, rows * (1 + k))
         return rows * e / t, Plan(proposer, k, "goodput", e, t)
 
-    def best(self, cands: list[tuple[str, int]], others: int,
-             acceptance: dict[str, Acceptance] | None = None, nobody: bool = True) -> Plan:
-        """The best of ``cands`` (and of nobody proposing, unless ``nobody`` is False)."""
-        best, plan = self.score(None, 0, others) if nobody else (0.0, NO_SPECULATION)
+    def best(self, cands: list[tuple[str, int]], others: int) -> Plan:
+        """The best of ``cands`` and of nobody proposing."""
+        best, plan = self.score(None, 0, others)
         for p, k in cands:
-            g, candidate = self.score(p, k, others, acceptance)
+            g, candidate = self.score(p, k, others)
             if g > best * (1 + 1e-9):
                 best, plan = g, candidate
         return plan

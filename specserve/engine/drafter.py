@@ -28,7 +28,7 @@ position), so a sampled row's q is bitwise the same and seeded outputs do not ch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specserve.contract import ProposeItem, ProposeOutcome, RepairRecord
 from specserve.core.commit import check_tokens_window
@@ -61,7 +61,6 @@ class _Block:
 class _Session:
     committed: list[int]
     model: DraftModelSession | None = None
-    replied: _Block | None = None  # the last draft-model reply, to draft ahead from
     ahead: _Block | None = None  # the block drafted ahead, for the next call
 
     @property
@@ -78,6 +77,7 @@ class DrafterEngine(LRUSessions):
         super().__init__(cache_budget_bytes)
         self.draft_ahead_on = draft_ahead and lean is not None
         self.ahead = {"drafted": 0, "hits": 0, "misses": 0}
+        self._replied: dict[str, _Block] = {}  # session -> its last reply, to draft ahead from
         self.lean = lean
         self.ngram_max_n, self.ngram_min_n = ngram_max_n, ngram_min_n
         self.vocab_size = int(lean.config.vocab_size) if lean is not None else None
@@ -135,14 +135,14 @@ class DrafterEngine(LRUSessions):
             if sess is None:
                 outcomes[i] = ProposeOutcome([], None, cache_miss=True)
             elif it.mode == "ngram":
-                sess.replied = None  # nothing to draft ahead from
+                self._replied.pop(it.session_id, None)  # nothing to draft ahead from
                 drafts = propose_ngram(sess.committed, it.k, self.ngram_max_n, self.ngram_min_n)
                 outcomes[i] = ProposeOutcome(drafts, None)
             else:
                 assert self.lean is not None  # checked
                 if sess.model is None:
                     sess.model = DraftModelSession(self.lean)
-                hit = self._prepared(sess, it)
+                hit = self._prepared(it.session_id, sess, it)
                 if hit is not None:
                     outcomes[i] = hit
                     continue
@@ -154,20 +154,23 @@ class DrafterEngine(LRUSessions):
             for i, job, (drafts, q, record) in zip(slots, jobs, propose_batch(self.lean, jobs),
                                                    strict=True):
                 outcomes[i] = ProposeOutcome(drafts, q, repair=record)
-                self._replied(self._sessions[items[i].session_id], job, drafts, q)
+                if self.draft_ahead_on and drafts:
+                    self._replied[items[i].session_id] = _Block(
+                        list(job.committed), job.k, job.sampling, job.seed, drafts, q,
+                        len(job.session.tokens))
         self._evict(served)
         return outcomes  # type: ignore[return-value]  # every slot is filled
 
     # ----------------------------------------------------------------- draft-ahead
-    def _replied(self, sess: _Session, job: DraftJob, drafts: list[int], q: object) -> None:
-        if self.draft_ahead_on and drafts:
-            sess.replied = _Block(list(job.committed), job.k, job.sampling, job.seed,
-                                  list(drafts), q, len(job.session.tokens))
+    def release(self, session_id: str) -> bool:
+        self._replied.pop(session_id, None)
+        return super().release(session_id)
 
-    def _prepared(self, sess: _Session, it: ProposeItem) -> ProposeOutcome | None:
+    def _prepared(self, sid: str, sess: _Session, it: ProposeItem) -> ProposeOutcome | None:
         """The block drafted ahead for this call, if it is this call's (the same committed
         tokens, k and sampling); else None, the cache cropped back to before the ahead."""
-        ahead, sess.ahead, sess.replied = sess.ahead, None, None
+        ahead, sess.ahead = sess.ahead, None
+        self._replied.pop(sid, None)
         if ahead is None or sess.model is None:
             return None
         model = sess.model
@@ -176,8 +179,7 @@ class DrafterEngine(LRUSessions):
             self.ahead["hits"] += 1
             record = RepairRecord(len(model.tokens), len(model.tokens), 0)
             if self.draft_ahead_on:  # the next ahead starts from this block
-                sess.replied = _Block(ahead.committed, ahead.k, ahead.sampling, ahead.seed,
-                                      ahead.drafts, ahead.q, len(model.tokens))
+                self._replied[sid] = replace(ahead, base=len(model.tokens))
             return ProposeOutcome(list(ahead.drafts), ahead.q, repair=record, ahead=True)
         self.ahead["misses"] += 1
         keep = min(ahead.base, len(model.tokens))
@@ -187,7 +189,7 @@ class DrafterEngine(LRUSessions):
 
     @property
     def ahead_pending(self) -> bool:
-        return any(s.replied is not None for s in self._sessions.values())
+        return bool(self._replied)
 
     def draft_ahead(self) -> int:
         """Draft ahead for every session whose last draft-model reply is out (see the
@@ -197,27 +199,28 @@ class DrafterEngine(LRUSessions):
         them. Returns the rows drafted ahead."""
         assert self.lean is not None or not self.ahead_pending
         todo = []
-        for sid, sess in self._sessions.items():
-            r, sess.replied = sess.replied, None
-            if r is None or sess.model is None or sess.model.tokens != (
+        replied, self._replied = self._replied, {}
+        for sid, r in replied.items():
+            sess = self._sessions.get(sid)
+            if sess is None or sess.model is None or sess.model.tokens != (
                     r.committed + r.drafts)[:r.base]:
-                continue  # a release or a later call got there first
+                continue  # evicted, or a later call got there first
             if len(r.committed) + 2 * r.k + 1 > self.lean.max_len:
                 continue
-            todo.append((sid, sess, r))
+            todo.append((sess, r))
         if not todo:
             return 0
         guesses = propose_batch(self.lean, [
             DraftJob(s.model, r.committed + r.drafts, 1, r.sampling, r.seed)
-            for _, s, r in todo])
+            for s, r in todo])
         jobs = []
-        for (_, s, r), (b, _, _) in zip(todo, guesses, strict=True):
+        for (s, r), (b, _, _) in zip(todo, guesses, strict=True):
             s.model.cache.crop(r.base)
             s.model.tokens = s.model.tokens[:r.base]
             jobs.append(DraftJob(s.model, [*r.committed, *r.drafts, *b], r.k, r.sampling,
                                  r.seed))
-        for (_, s, r), job, (drafts, q, _) in zip(todo, jobs, propose_batch(self.lean, jobs),
-                                                  strict=True):
+        for (s, r), job, (drafts, q, _) in zip(todo, jobs, propose_batch(self.lean, jobs),
+                                               strict=True):
             s.ahead = _Block(list(job.committed), r.k, r.sampling, r.seed, drafts, q, r.base)
         self.ahead["drafted"] += len(todo)
         return len(todo)

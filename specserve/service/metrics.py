@@ -137,6 +137,9 @@ class RouterMetrics:
     def decision(self, reason: str, proposer: str | None) -> None:
         self.decisions.inc(1, self._t(reason=reason, proposer=proposer or "none"))
 
+    def drafted_ahead_round(self, spec: str) -> None:
+        self.drafted_ahead.inc(1, self._t(spec=spec))
+
     def prior_error(self, op: str) -> None:
         self.prior_errors.inc(1, self._t(op=op))
 
