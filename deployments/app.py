@@ -137,7 +137,8 @@ class TargetDeployment:
             self.engine, host, 0, self.replica, secret=sec.data_plane_secret,
             max_message_bytes=sec.max_internal_message_bytes, max_batch=cfg.target.max_batch,
             batch_wait_s=cfg.target.batch_wait_ms / 1000, prometheus=TargetBatchMetrics(),
-            max_queue=cfg.target.max_queue, idle_s=cfg.target.session_idle_s)
+            max_queue=cfg.target.max_queue, idle_s=cfg.target.session_idle_s,
+            admit_wait_s=cfg.target.admit_wait_s)
         self.address = f"{host}:{port}"
         self.busy = BusyMeter(lambda: self.servicer.metrics.compute_s)
         self.cost_profile = await _profiled(self.engine, "target")
@@ -169,6 +170,8 @@ class TargetDeployment:
                 "turnaround_p90_ms": round(sch.turnaround_p90_s * 1e3, 3),
                 "step_waits": sch.waits, "step_timeouts": sch.timeouts,
                 "held_sessions": len(self.servicer.sessions),
+                "kv_waiting": self.servicer.waiting, "kv_waited": self.servicer.kv["waited"],
+                "kv_preempted": self.servicer.kv["preempted"],
                 "released": dict(self.servicer.sessions.released), **self.engine.stats()}
 
     def pid(self) -> int:

@@ -175,7 +175,10 @@ class TargetOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.5))
-    cache_bytes: int = Field(512 << 20, ge=1 << 16, description="KV budget per replica (LRU)")
+    cache_bytes: int = Field(512 << 20, ge=1 << 16, description="KV budget per replica: the "
+                             "sessions it holds are served, a new one waits for room")
+    admit_wait_s: float = Field(5.0, gt=0, le=3600, description="a row waiting this long for "
+                                "KV room evicts the least recently used session outside its step")
     max_batch: int = Field(32, ge=1, le=512, description="rows per target forward")
     batch_wait_ms: float = Field(50.0, ge=0, le=100, description=_WAIT)
     torch_threads: int | None = Field(None, ge=1, le=256, description=_THREADS)

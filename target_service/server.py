@@ -6,6 +6,13 @@ are out come back one turnaround later; ``batch_wait_s`` bounds the wait) and ru
 ``TargetEngine.verify`` over all of them in a worker thread, so concurrent requests share a
 forward pass: full batches under load, no wait at concurrency 1.
 
+KV admission: a row whose session needs a new cache slot runs only while the KV budget holds
+one more session (``TargetEngine.admission``); otherwise it waits here, off the queue, until
+a release makes room (or it waited ``admit_wait_s``: then the least recently used session
+outside the step is evicted for it), so an over-full replica serves as many sessions as fit
+at full speed instead of thrashing its cache. Sessions that outgrow the budget are
+preempted newest first (their resend waits like a new session).
+
 Bounded and private: the queue holds at most ``max_queue`` rows (beyond it a row is answered
 ``overloaded: ...`` at once, RESOURCE_EXHAUSTED for its request); with a ``secret`` every
 stream must carry it (``specserve.auth.PeerAuthInterceptor``); messages are limited to
@@ -62,7 +69,7 @@ class TargetMetrics:
 class TargetServicer(pb_grpc.TargetServicer):
     def __init__(self, engine: TargetEngine, replica: str, max_batch: int = 32,
                  batch_wait_s: float = 0.05, prometheus: TargetBatchMetrics | None = None,
-                 max_queue: int = 1024, idle_s: float = 10.0):
+                 max_queue: int = 1024, idle_s: float = 10.0, admit_wait_s: float = 5.0):
         self.engine = engine
         self.replica = replica
         self.max_batch = max_batch
@@ -74,6 +81,10 @@ class TargetServicer(pb_grpc.TargetServicer):
         self._reaper: asyncio.Task | None = None
         self.sessions = SessionTracker(self._release, idle_s)
         self.overloaded = 0  # rows refused because the queue was full
+        self.admit_wait_s = admit_wait_s
+        self._waiting: list[_Row] = []  # rows waiting for KV room, oldest first
+        self._since: dict[int, float] = {}  # id(message) -> when it first waited
+        self.kv = {"waited": 0, "preempted": 0}  # rows that waited; sessions preempted
         self._streams = itertools.count(1)
 
     def start(self) -> None:
@@ -83,17 +94,50 @@ class TargetServicer(pb_grpc.TargetServicer):
 
     @property
     def queued(self) -> int:
-        """Rows waiting for a forward (all streams)."""
-        return self._queue.qsize()
+        """Rows waiting for a forward (all streams), for KV room included."""
+        return self._queue.qsize() + len(self._waiting)
+
+    @property
+    def waiting(self) -> int:
+        """Rows waiting for KV room."""
+        return len(self._waiting)
 
     async def _reap(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.sessions.idle_s / 4))
+            await asyncio.sleep(min(1.0, self.sessions.idle_s / 4, self.admit_wait_s / 4))
             self.sessions.reap()
+            now = time.monotonic()
+            if any(now - self._since[id(r[0])] >= self.admit_wait_s for r in self._waiting):
+                self._requeue()
 
     def _release(self, session_id: str) -> None:
         self.engine.release(session_id)
         self.scheduler.released(session_id)
+        self._requeue()  # room for a waiting row, maybe
+
+    def _requeue(self) -> None:
+        while self._waiting and not self._queue.full():
+            self._queue.put_nowait(self._waiting.pop(0))
+
+    def _admission(self, batch: list[_Row], items: list, good: list[int]) -> list[int]:
+        """KV admission of a step's valid rows: preempts what must go and returns the rows
+        (of ``good``) that wait; they are put aside, oldest first."""
+        now = time.monotonic()
+        plan = self.engine.admission(items, [
+            now - self._since.get(id(batch[i][0]), now) >= self.admit_wait_s for i in good])
+        for sid in plan.preempt:
+            self.engine.release(sid)
+            self.kv["preempted"] += 1
+        wait = [i for i, ok in zip(good, plan.run, strict=True) if not ok]
+        for i in wait:
+            self.kv["waited"] += id(batch[i][0]) not in self._since
+            self._since.setdefault(id(batch[i][0]), now)
+        self._waiting = sorted([*self._waiting, *(batch[i] for i in wait)],
+                               key=lambda r: self._since[id(r[0])])
+        for i in good:
+            if i not in wait:
+                self._since.pop(id(batch[i][0]), None)
+        return wait
 
     def _admit(self, msg: pb.VerifyRequest, replies: asyncio.Queue, stream: int) -> bool:
         """Release messages and the queue bound; True when ``msg`` is a row to verify."""
@@ -154,6 +198,9 @@ class TargetServicer(pb_grpc.TargetServicer):
             except ValueError as e:
                 errors[i] = str(e)
         good = [i for i in range(len(batch)) if i not in errors]
+        wait = set(self._admission(batch, items, good)) if items else set()
+        items = [it for i, it in zip(good, items, strict=True) if i not in wait]
+        good = [i for i in good if i not in wait]
         outcomes = {}
         compute_us = 0
         if items:
@@ -185,8 +232,10 @@ class TargetServicer(pb_grpc.TargetServicer):
             finally:
                 if fspan is not None:
                     fspan.end()
-        queued = self._queue.qsize()  # the load each reply reports (spec=auto reads it)
+        queued = self.queued  # the load each reply reports (spec=auto reads it)
         for i, (msg, replies, span) in enumerate(batch):
+            if i in wait:
+                continue
             if i in errors:
                 reply = pb.VerifyReply(call_id=msg.call_id, error=errors[i],
                                        replica=self.replica)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from specserve.engine.target import TargetEngine, VerifyItem, VerifyOutcome
+from specserve.engine.target import Admission, TargetEngine, VerifyItem, VerifyOutcome
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +224,10 @@ class TPTargetEngine:
 
     def validate(self, item: VerifyItem) -> None:
         self.engine.validate(item)  # rank 0's checks are every rank's (same model)
+
+    def admission(self, items: list[VerifyItem], overdue: list[bool] | None = None) -> Admission:
+        with self._rel_lock:  # every rank holds rank 0's sessions, less the pending releases
+            return self.engine.admission(items, overdue, frozenset(self._releases))
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutcome]:
         with self._lock:

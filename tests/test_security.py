@@ -75,6 +75,11 @@ class _FakeTarget:
     def release(self, sid):
         self.released.append(sid)
 
+    def admission(self, items, overdue=None):
+        from specserve.engine.target import Admission
+
+        return Admission([True] * len(items), [])
+
 
 def _verify_msg(call_id: int, sid: str = "s1") -> ipb.VerifyRequest:
     return ipb.VerifyRequest(call_id=call_id, session_id=sid, committed_len=2, tokens_start=0,

@@ -117,3 +117,129 @@ def test_eviction_frees_slots(builtin_pair):
     assert len(engine._sessions) == 1
     assert sum(o is not None for o in engine.pool.owner) == 1
     assert engine.pool.buf.shape[2] <= 4  # slots reused, not one per session ever seen
+
+
+def _budget_for(engine: TargetEngine, sessions: int, length: int = 64) -> int:
+    engine.pool.reserve(0, length)  # the pool's shape, for its slot size (no slot yet)
+    return sessions * (engine.pool.slot_bytes_at(length) + 8 * length)
+
+
+def _item(sid: str, tokens: list[int], start: int = 0, drafts=()) -> VerifyItem:
+    return VerifyItem(sid, len(tokens), start, tokens[start:], list(drafts), None,
+                      SamplingParams())
+
+
+def test_admission_makes_new_sessions_wait_instead_of_evicting_live_ones(builtin_pair):
+    """A budget of two sessions: a third waits (nobody is evicted, nobody misses) until a
+    release makes room; the pool never holds more slots than the budget."""
+    engine = TargetEngine(builtin_pair.target)
+    engine.cache_budget_bytes = engine.pool.budget_bytes = _budget_for(engine, 2)
+    seqs = {s: list(range(3 + i, 13 + i)) for i, s in enumerate("abc")}
+    first = [_item(s, seqs[s]) for s in "ab"]
+    assert engine.admission(first).run == [True, True]
+    engine.verify(first)
+    step = [_item(s, seqs[s], start=len(seqs[s]) - 1) if s in "ab" else _item(s, seqs[s])
+            for s in "abc"]
+    plan = engine.admission(step)
+    assert plan.run == [True, True, False] and plan.preempt == []
+    outs = engine.verify(step[:2])
+    assert not any(o.cache_miss for o in outs) and engine.evictions == 0
+    engine.release("a")
+    plan = engine.admission([step[2]])
+    assert plan.run == [True] and plan.preempt == []
+    engine.verify([step[2]])
+    assert engine.has_session("b") and engine.has_session("c") and engine.misses == 0
+    assert engine.pool.buf.shape[2] <= 2
+
+
+def test_sessions_that_outgrow_the_budget_preempt_the_newest(builtin_pair):
+    """Two sessions fit at pool length 64, one at 128: when a row needs 128, the newest
+    session is preempted (its next row misses and its resend waits); the oldest keeps its
+    cache, and the one that grew is served correctly from a compacted pool."""
+    model = builtin_pair.target
+    engine = TargetEngine(model)
+    engine.cache_budget_bytes = engine.pool.budget_bytes = _budget_for(engine, 2)
+    seen = _capture(engine)
+    old, new = list(range(5, 25)), list(range(40, 60))
+    engine.verify([_item("old", old), _item("new", new)])
+    assert engine.pool.buf.shape[2] == 2
+    grown = old + list(range(100, 180))  # 100 tokens: the pool must reach 128
+    step = [_item("old", grown, start=len(old)), _item("new", new, start=len(new) - 1)]
+    plan = engine.admission(step)
+    assert plan.run == [True, True] and plan.preempt == ["new"]
+    for sid in plan.preempt:
+        engine.release(sid)
+    outs = engine.verify(step)
+    assert not outs[0].cache_miss and outs[1].cache_miss
+    assert engine.pool.capacity >= 128 and engine.pool.buf.shape[2] == 1
+    fed, k, lg = seen["old"]
+    torch.testing.assert_close(lg, _plain_logits(model, fed, k), atol=2e-4, rtol=1e-4)
+    resend = _item("new", new)  # the miss's resend: a new session, and there is no room
+    assert engine.admission([resend]).run == [False]
+
+
+def test_an_overdue_row_evicts_the_least_recently_used_session_outside_its_step(builtin_pair):
+    engine = TargetEngine(builtin_pair.target)
+    engine.cache_budget_bytes = engine.pool.budget_bytes = _budget_for(engine, 2)
+    a, b, c = list(range(3, 13)), list(range(20, 30)), list(range(40, 50))
+    engine.verify([_item("a", a)])
+    engine.verify([_item("b", b)])  # "a" is now the least recently used
+    step = [_item("b", b, start=len(b) - 1), _item("c", c)]
+    assert engine.admission(step, [False, False]).run == [True, False]
+    plan = engine.admission(step, [False, True])
+    assert plan.run == [True, True] and plan.preempt == ["a"]
+    lone = TargetEngine(builtin_pair.target, cache_budget_bytes=1)  # below one session
+    assert lone.admission([_item("x", a)]).run == [True]  # one always runs
+
+
+def test_the_target_server_holds_a_row_until_a_release_makes_room(builtin_pair):
+    """Through gRPC: with room for two sessions a third session's row is held (not answered,
+    nobody evicted) until the router releases one; then it is served, no miss anywhere."""
+    import asyncio
+
+    import grpc
+
+    from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
+    from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
+    from specserve.service.wire import release_message
+    from target_service.server import start_target_server
+
+    engine = TargetEngine(builtin_pair.target)
+    engine.cache_budget_bytes = engine.pool.budget_bytes = _budget_for(engine, 2)
+
+    def row(call: int, sid: str) -> pb.VerifyRequest:
+        toks = list(range(3 + call, 13 + call))
+        return pb.VerifyRequest(call_id=call, session_id=sid, committed_len=len(toks),
+                                tokens=toks, sampling=pb.Sampling(top_p=1.0))
+
+    async def main():
+        server, port, servicer = await start_target_server(engine, "127.0.0.1", 0, "t",
+                                                           batch_wait_s=0.0)
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def outgoing():
+            while (m := await outbox.get()) is not None:
+                yield pb.VerifyBatch(rows=[m])
+
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = pb_grpc.TargetStub(ch).Verify(outgoing())
+                replies = call.__aiter__()
+                for i, sid in enumerate("ab", 1):
+                    await outbox.put(row(i, sid))
+                    got = (await replies.__anext__()).replies
+                    assert [r.call_id for r in got] == [i] and not got[0].cache_miss
+                await outbox.put(row(3, "c"))
+                while servicer.waiting == 0:  # the event: the row was put aside
+                    await asyncio.sleep(0.01)
+                assert servicer.queued == 1 and engine.evictions == 0
+                await outbox.put(release_message("target", "a", "r"))
+                got = (await replies.__anext__()).replies
+                assert [r.call_id for r in got] == [3] and not got[0].error
+                assert not got[0].cache_miss and servicer.kv == {"waited": 1, "preempted": 0}
+                assert engine.misses == 0 and engine.evictions == 0
+                await outbox.put(None)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), 120))

@@ -32,7 +32,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["TargetEngine", "VerifyItem", "VerifyOutcome"]
+__all__ = ["Admission", "TargetEngine", "VerifyItem", "VerifyOutcome"]
 
 import numpy as np
 import torch
@@ -64,6 +64,7 @@ class _Session:
     slot: int = -1
     length: int = 0  # valid KV entries
     pool: _Pool | None = None
+    order: int = 0  # when it was admitted (preemption takes the newest first)
 
     @property
     def nbytes(self) -> int:  # its slot at the pool's current length
@@ -74,13 +75,15 @@ class _Session:
 class _Pool:
     """Every session's KV: ``buf`` [2, Ly, S, KVH, L, D], slot s owned by ``owner[s]``.
     Grows by doubling (slots or length: the only copy of the past besides moving a row
-    into place)."""
+    into place), never past ``budget_bytes`` of slots except to hold the sessions it has:
+    growing the length compacts the live slots into fewer, longer ones."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, budget_bytes: int = 1 << 62):
         self.buf = torch.empty((2, layers, 0, kv_heads, 0, head_dim), dtype=dtype,
                                device=device)
         self.owner: list[_Session | None] = []
+        self.budget_bytes = budget_bytes
 
     @property
     def capacity(self) -> int:
@@ -88,24 +91,41 @@ class _Pool:
 
     @property
     def slot_bytes(self) -> int:
+        return self.slot_bytes_at(self.capacity)
+
+    def slot_bytes_at(self, length: int) -> int:
         s = self.buf.shape
-        return 2 * s[1] * s[3] * s[4] * s[5] * self.buf.element_size()
+        return 2 * s[1] * s[3] * length * s[5] * self.buf.element_size()
+
+    def grown(self, length: int) -> int:
+        """The capacity after ``reserve(length=length)``."""
+        have = self.capacity
+        return have if length <= have else max(length, 2 * have, _MIN_CAPACITY)
 
     def reserve(self, slots: int, length: int) -> None:
         have_s, have_l = self.buf.shape[2], self.capacity
         if slots <= have_s and length <= have_l:
             return
-        new_s = have_s if slots <= have_s else max(slots, 2 * have_s, 4)
-        new_l = have_l if length <= have_l else max(length, 2 * have_l, _MIN_CAPACITY)
+        new_l = self.grown(length)
+        live = [s for s in self.owner if s is not None]
+        fit = self.budget_bytes // max(self.slot_bytes_at(new_l), 1)
+        want = max(slots, 2 * have_s, 4) if slots > have_s else have_s
+        new_s = max(slots, len(live), min(want, fit))
         b = self.buf.shape
         # zeros: attention reads every slot up to the longest row (masked, weight 0), and
         # 0 * garbage could be NaN; stale entries of earlier sessions are finite
         grown = torch.zeros((b[0], b[1], new_s, b[3], new_l, b[5]), dtype=self.buf.dtype,
                             device=self.buf.device)
-        used = max((s.length for s in self.owner if s is not None), default=0)
-        grown[:, :, :have_s, :, :used] = self.buf[:, :, :, :, :used]
+        if new_s >= have_s:  # slots keep their numbers
+            used = max((s.length for s in live), default=0)
+            grown[:, :, :have_s, :, :used] = self.buf[:, :, :, :, :used]
+            self.owner += [None] * (new_s - have_s)
+        else:  # fewer, longer slots: the live ones move to the front, in slot order
+            for j, sess in enumerate(sorted(live, key=lambda s: s.slot)):
+                grown[:, :, j, :, : sess.length] = self.buf[:, :, sess.slot, :, : sess.length]
+                sess.slot = j
+            self.owner = [*sorted(live, key=lambda s: s.slot), *[None] * (new_s - len(live))]
         self.buf = grown
-        self.owner += [None] * (new_s - have_s)
 
     def assign(self, sess: _Session) -> None:
         if None not in self.owner:
@@ -219,6 +239,15 @@ def _check_layers(config: object) -> None:
 
 
 @dataclass
+class Admission:
+    """A step's admission (``TargetEngine.admission``): ``run[i]`` row i runs now (else it
+    waits for room); ``preempt``: sessions to release first."""
+
+    run: list[bool]
+    preempt: list[str]
+
+
+@dataclass
 class _Row:
     item: VerifyItem
     session: _Session
@@ -253,7 +282,9 @@ class TargetEngine(LRUSessions):
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         _check_layers(cfg)
-        self.pool = _Pool(self.layers, self.kv_heads, self.head_dim, self.dtype, self.device)
+        self.pool = _Pool(self.layers, self.kv_heads, self.head_dim, self.dtype, self.device,
+                          cache_budget_bytes)
+        self._admitted = 0  # sessions admitted so far (their ``order``)
         self.batch_invariant = batch_invariant
         self.forward_batches = 0
         self.rows_verified = 0
@@ -303,6 +334,58 @@ class TargetEngine(LRUSessions):
         list at once; a server checks each row first so a bad one fails alone)."""
         self._check([item])
 
+    # ----------------------------------------------------------------- admission
+    def admission(self, items: Sequence[VerifyItem], overdue: Sequence[bool] | None = None,
+                  gone: frozenset[str] = frozenset()) -> Admission:
+        """Which rows of a step run now under the KV budget, and which sessions to preempt.
+
+        The budget holds ``budget // session_bytes(pool length)`` sessions. A row of a held
+        session always runs; a row that needs a new slot runs only while one fits (oldest
+        first), else it waits for a release: admitting it by evicting a session still in use
+        would bring that one back at once as a cache miss that evicts another, LRU thrash
+        (measured: spec-off at concurrency 32 served 2 requests in 7 minutes). When held
+        sessions grow past the pool's length and no longer fit, the newest are preempted
+        (released: their next row misses, and the resend waits here like a new session;
+        vLLM's preemption by recompute). An ``overdue`` row (it waited too long) runs by
+        evicting the least recently used session outside the step. At least one session
+        always runs, whatever its size. ``gone``: sessions released but not yet applied."""
+        overdue = overdue or [False] * len(items)
+        held = {sid for sid in self._sessions if sid not in gone}
+        mine = [it.session_id in held for it in items]
+        need = max((it.committed_len + len(it.draft_tokens) for it, m in zip(items, mine,
+                                                                               strict=True)
+                    if m), default=0)
+        length = self.pool.grown(need)
+        preempt = []
+        by_age = sorted(held, key=lambda sid: self._sessions[sid].order)
+        while len(by_age) > 1 and not self._fits(len(by_age), length):
+            preempt.append(by_age.pop())
+        live = {*by_age}
+        step = {it.session_id for it, m in zip(items, mine, strict=True) if m}
+        run = []
+        for it, is_held, late in zip(items, mine, overdue, strict=True):
+            if is_held or it.tokens_start > 0:  # held, or a miss (answered at once)
+                run.append(True)
+                continue
+            grown = self.pool.grown(max(length, it.committed_len + len(it.draft_tokens)))
+            if late:  # room by evicting the least recently used sessions outside the step
+                for sid in [s for s in self._sessions if s in live and s not in step]:
+                    if self._fits(len(live) + 1, grown):
+                        break
+                    preempt.append(sid)
+                    live.discard(sid)
+            ok = late or not live or self._fits(len(live) + 1, grown)
+            run.append(ok)
+            if ok:
+                live.add(it.session_id)
+                step.add(it.session_id)
+                length = grown
+        return Admission(run, preempt)
+
+    def _fits(self, sessions: int, length: int) -> bool:
+        cost = self.pool.slot_bytes_at(length) + _TOKEN_BYTES * length
+        return sessions * cost <= self.cache_budget_bytes
+
     # ----------------------------------------------------------------- verify
     @torch.inference_mode()
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutcome]:
@@ -317,7 +400,8 @@ class TargetEngine(LRUSessions):
                 outcomes[idx] = VerifyOutcome(0, -1, False, True, None, 0)
                 continue
             if sess is None:
-                sess = _Session([], pool=self.pool)
+                self._admitted += 1
+                sess = _Session([], pool=self.pool, order=self._admitted)
                 self.pool.assign(sess)
                 self._sessions[it.session_id] = sess
             committed = [*sess.tokens[: it.tokens_start], *it.tokens]
@@ -369,7 +453,7 @@ class TargetEngine(LRUSessions):
         b = len(rows)
         t = max(len(r.feed) for r in rows)
         keys = max(r.past_len for r in rows) + t
-        self.pool.reserve(len(self.pool.owner), keys)
+        self.pool.reserve(0, keys)  # slots: those it has, fewer if longer ones overflow
         first_slot = self.pool.place([r.session for r in rows])
         back = torch.tensor([r.session.slot - first_slot for r in rows])  # caller's order
         rows = sorted(rows, key=lambda r: r.session.slot)  # the pool's order
