@@ -180,7 +180,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         stream = next(self._streams)
 
         async def handle(msg: pb.ProposeRequest) -> None:
-            await replies.put(await self._propose(msg))
+            reply = await self._propose(msg)
+            self.sessions.answered(msg.session_id)
+            await replies.put(reply)
 
         async def pump() -> None:
             async for batch in request_iterator:

@@ -147,6 +147,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         self.sessions.touch(msg.session_id, stream)
         if self._queue.full():
             self.overloaded += 1
+            self.sessions.answered(msg.session_id)
             replies.put_nowait(pb.VerifyReply(
                 call_id=msg.call_id, replica=self.replica,
                 error=f"overloaded: target queue full ({self._queue.maxsize} rows)"))
@@ -247,6 +248,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                 _end_row_span(span, msg, reply)
             if not reply.error:
                 self.scheduler.replied(msg.session_id, time.monotonic())
+            self.sessions.answered(msg.session_id)
             await replies.put(reply)
 
 

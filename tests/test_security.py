@@ -169,6 +169,12 @@ def test_idle_sessions_are_released():
     released = []
     t = SessionTracker(released.append, idle_s=0.05)
     t.touch("a", 1)
+    time.sleep(0.06)
+    t.reap()  # its row is still here (queued, or in a step longer than idle_s): not idle
+    assert released == [] and t.held("a")
+    t.answered("a")
+    t.reap()  # idle counts from the answer
+    assert released == [] and t.held("a")
     t.busy = True
     time.sleep(0.06)
     t.reap()

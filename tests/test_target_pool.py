@@ -192,15 +192,79 @@ def test_an_overdue_row_evicts_the_least_recently_used_session_outside_its_step(
     assert lone.admission([_item("x", a)]).run == [True]  # one always runs
 
 
-def test_the_target_server_holds_a_row_until_a_release_makes_room(builtin_pair):
-    """Through gRPC: with room for two sessions a third session's row is held (not answered,
-    nobody evicted) until the router releases one; then it is served, no miss anywhere."""
+def _verify_stream(port: int):
+    """A Verify stream: (send, next_replies, close)."""
     import asyncio
 
     import grpc
 
     from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
     from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
+
+    outbox: asyncio.Queue = asyncio.Queue()
+
+    async def outgoing():
+        while (m := await outbox.get()) is not None:
+            yield pb.VerifyBatch(rows=[m])
+
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    replies = pb_grpc.TargetStub(ch).Verify(outgoing()).__aiter__()
+
+    async def nxt():
+        return (await replies.__anext__()).replies
+
+    async def close():
+        await outbox.put(None)
+        await ch.close()
+
+    return outbox.put, nxt, close
+
+
+def test_a_step_longer_than_the_idle_timeout_releases_nobody(builtin_pair):
+    """A session whose row sits in a long step (slowed here, as a long prefill of many
+    sessions is) is not idle: its next round still finds its cache (before, the reaper
+    released it during the step, every session missed and re-prefilled, and the next step
+    was longer still)."""
+    import asyncio
+    import time
+
+    from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
+    from target_service.server import start_target_server
+
+    engine = TargetEngine(builtin_pair.target)
+    verify = engine.verify
+    engine.verify = lambda items: (time.sleep(0.6), verify(items))[1]  # injected slowness
+    toks = list(range(3, 20))
+
+    async def main():
+        server, port, servicer = await start_target_server(engine, "127.0.0.1", 0, "t",
+                                                           batch_wait_s=0.0, idle_s=0.1)
+        send, nxt, close = _verify_stream(port)
+        try:
+            await send(pb.VerifyRequest(call_id=1, session_id="s", committed_len=len(toks),
+                                        tokens=toks, sampling=pb.Sampling(top_p=1.0)))
+            (first,) = await nxt()
+            more = [*toks, first.extra_token]
+            await send(pb.VerifyRequest(call_id=2, session_id="s", committed_len=len(more),
+                                        tokens_start=len(toks), tokens=more[len(toks):],
+                                        sampling=pb.Sampling(top_p=1.0)))
+            (second,) = await nxt()
+            assert not first.error and not second.error
+            assert not second.cache_miss and engine.misses == 0
+            assert servicer.sessions.released["idle"] == 0
+            await close()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_the_target_server_holds_a_row_until_a_release_makes_room(builtin_pair):
+    """Through gRPC: with room for two sessions a third session's row is held (not answered,
+    nobody evicted) until the router releases one; then it is served, no miss anywhere."""
+    import asyncio
+
+    from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
     from specserve.service.wire import release_message
     from target_service.server import start_target_server
 
@@ -215,30 +279,22 @@ def test_the_target_server_holds_a_row_until_a_release_makes_room(builtin_pair):
     async def main():
         server, port, servicer = await start_target_server(engine, "127.0.0.1", 0, "t",
                                                            batch_wait_s=0.0)
-        outbox: asyncio.Queue = asyncio.Queue()
-
-        async def outgoing():
-            while (m := await outbox.get()) is not None:
-                yield pb.VerifyBatch(rows=[m])
-
+        send, nxt, close = _verify_stream(port)
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                call = pb_grpc.TargetStub(ch).Verify(outgoing())
-                replies = call.__aiter__()
-                for i, sid in enumerate("ab", 1):
-                    await outbox.put(row(i, sid))
-                    got = (await replies.__anext__()).replies
-                    assert [r.call_id for r in got] == [i] and not got[0].cache_miss
-                await outbox.put(row(3, "c"))
-                while servicer.waiting == 0:  # the event: the row was put aside
-                    await asyncio.sleep(0.01)
-                assert servicer.queued == 1 and engine.evictions == 0
-                await outbox.put(release_message("target", "a", "r"))
-                got = (await replies.__anext__()).replies
-                assert [r.call_id for r in got] == [3] and not got[0].error
-                assert not got[0].cache_miss and servicer.kv == {"waited": 1, "preempted": 0}
-                assert engine.misses == 0 and engine.evictions == 0
-                await outbox.put(None)
+            for i, sid in enumerate("ab", 1):
+                await send(row(i, sid))
+                got = await nxt()
+                assert [r.call_id for r in got] == [i] and not got[0].cache_miss
+            await send(row(3, "c"))
+            while servicer.waiting == 0:  # the event: the row was put aside
+                await asyncio.sleep(0.01)
+            assert servicer.queued == 1 and engine.evictions == 0
+            await send(release_message("target", "a", "r"))
+            got = await nxt()
+            assert [r.call_id for r in got] == [3] and not got[0].error
+            assert not got[0].cache_miss and servicer.kv == {"waited": 1, "preempted": 0}
+            assert engine.misses == 0 and engine.evictions == 0
+            await close()
         finally:
             await server.stop(0)
 

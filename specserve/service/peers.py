@@ -2,8 +2,12 @@
 
 A session is *held* from its lease (or first call) until it is released: by the router's
 release message, when the stream that used it ends (its router died or went away: the
-connection closes), or when no call used it for ``idle_s`` (a lost release; a later call
-just rebuilds the cache by the contract's resend rule, so releasing early is always safe).
+connection closes), or when it was idle for ``idle_s`` (a lost release; a later call just
+rebuilds the cache by the contract's resend rule, so releasing early is always safe). Idle
+means: no row of it here and none answered for ``idle_s``; a row waiting in the queue or
+in a long step is not idle (releasing it there made every session of a step longer than
+``idle_s`` miss and re-prefill, which made the next step longer: spec-off at concurrency
+32 on long prompts served nothing in 4 minutes).
 Releases are applied by the server between engine calls (``apply``), never while an engine
 call runs in its worker thread. ``packed`` is the data plane's stream writer (both ends).
 """
@@ -24,13 +28,22 @@ class SessionTracker:
         self._seen: dict[str, float] = {}  # session -> last use
         self._stream: dict[str, int] = {}  # session -> the stream that used it last
         self._pending: set[str] = set()
+        self._in_flight: set[str] = set()  # a row of it is here, not answered yet
         self.released = {"message": 0, "stream_closed": 0, "idle": 0}
 
     def touch(self, session_id: str, stream: int = 0) -> None:
+        """A row of ``session_id`` arrived: held, and not idle until it is ``answered``."""
         self._seen[session_id] = time.monotonic()
         if stream:
             self._stream[session_id] = stream
         self._pending.discard(session_id)
+        self._in_flight.add(session_id)
+
+    def answered(self, session_id: str) -> None:
+        """Its row was answered: its idle time counts from now."""
+        if session_id in self._seen:
+            self._seen[session_id] = time.monotonic()
+        self._in_flight.discard(session_id)
 
     def held(self, session_id: str) -> bool:
         return session_id in self._seen
@@ -42,6 +55,7 @@ class SessionTracker:
         if self._seen.pop(session_id, None) is None and why != "message":
             return
         self._stream.pop(session_id, None)
+        self._in_flight.discard(session_id)
         self.released[why] = self.released.get(why, 0) + 1
         if self.busy:
             self._pending.add(session_id)
@@ -54,7 +68,7 @@ class SessionTracker:
 
     def reap(self) -> None:
         cutoff = time.monotonic() - self.idle_s
-        for sid in [s for s, t in self._seen.items() if t < cutoff]:
+        for sid in [s for s, t in self._seen.items() if t < cutoff and s not in self._in_flight]:
             self.release(sid, "idle")
 
     def apply(self) -> None:
