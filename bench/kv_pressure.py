@@ -33,6 +33,7 @@ def main() -> int:
     ap.add_argument("--spec", default="off", choices=["off", "draft", "ngram", "auto"])
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--cache-bytes", type=int, default=None, help="target KV budget")
+    ap.add_argument("--admit-wait-s", type=float, default=None, help="target.admit_wait_s")
     args = ap.parse_args()
     if args.concurrency < 1 or args.requests < 1 or args.wall_s <= 0:
         ap.error("--concurrency and --requests must be >= 1, --wall-s > 0")
@@ -42,7 +43,8 @@ def main() -> int:
     from specserve.client import Client
 
     prompts = builtin_workloads()["code-long"]
-    target = {"cache_bytes": args.cache_bytes} if args.cache_bytes else {}
+    target = {k: v for k, v in (("cache_bytes", args.cache_bytes),
+                                ("admit_wait_s", args.admit_wait_s)) if v is not None}
     service = start_local({"models": {"target": "bench-target", "drafter": "bench-drafter"},
                            "target": target}, port=_free_port())
     from ray import serve

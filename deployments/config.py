@@ -177,8 +177,9 @@ class TargetOptions(BaseModel):
     scaling: Scaling = Field(default_factory=lambda: Scaling(num_cpus=0.5))
     cache_bytes: int = Field(512 << 20, ge=1 << 16, description="KV budget per replica: the "
                              "sessions it holds are served, a new one waits for room")
-    admit_wait_s: float = Field(5.0, gt=0, le=3600, description="a row waiting this long for "
-                                "KV room evicts the least recently used session outside its step")
+    admit_wait_s: float = Field(20.0, gt=0, le=3600, description="a row waiting this long for "
+                                "KV room evicts the least recently used session outside its "
+                                "step (below router.call_timeout_s)")
     max_batch: int = Field(32, ge=1, le=512, description="rows per target forward")
     batch_wait_ms: float = Field(50.0, ge=0, le=100, description=_WAIT)
     torch_threads: int | None = Field(None, ge=1, le=256, description=_THREADS)
@@ -258,6 +259,15 @@ class AppConfig(BaseModel):
         None, description="OTLP/gRPC endpoint the replicas send traces to, e.g. "
         "'http://collector:4317'; null = the replicas' OTEL_* environment (tracing off "
         "without OTEL_EXPORTER_OTLP_ENDPOINT)")
+
+    @model_validator(mode="after")
+    def _admission_before_timeout(self) -> AppConfig:
+        if self.target.admit_wait_s >= self.router.call_timeout_s:
+            raise ValueError(
+                f"target.admit_wait_s ({self.target.admit_wait_s}) must be below "
+                f"router.call_timeout_s ({self.router.call_timeout_s}): a row waiting for KV "
+                "room that long would time out at the router and be sent again")
+        return self
 
     def journal_url(self) -> str | None:
         """The Redis URL the router's journal uses (``redis_url`` or ``$REDIS_URL``)."""

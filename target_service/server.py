@@ -69,7 +69,7 @@ class TargetMetrics:
 class TargetServicer(pb_grpc.TargetServicer):
     def __init__(self, engine: TargetEngine, replica: str, max_batch: int = 32,
                  batch_wait_s: float = 0.05, prometheus: TargetBatchMetrics | None = None,
-                 max_queue: int = 1024, idle_s: float = 10.0, admit_wait_s: float = 5.0):
+                 max_queue: int = 1024, idle_s: float = 10.0, admit_wait_s: float = 20.0):
         self.engine = engine
         self.replica = replica
         self.max_batch = max_batch

@@ -54,6 +54,14 @@ def test_bad_input_exits_2_with_a_reason(args, needle):
     assert out.stdout == ""
 
 
+def test_a_config_whose_kv_wait_outlasts_the_call_timeout_is_refused(tmp_path):
+    cfg = tmp_path / "app.json"
+    cfg.write_text('{"target": {"admit_wait_s": 40}}')
+    out = _cli("serve", "--config", str(cfg))
+    assert out.returncode == 2 and out.stdout == ""
+    assert "target.admit_wait_s (40.0) must be below router.call_timeout_s" in out.stderr
+
+
 @pytest.mark.service
 @pytest.mark.slow
 def test_demo_stdout_is_only_the_generated_text(generator):

@@ -273,6 +273,8 @@ BAD_VALUES = [  # (id, values, what the message must say)
         "enabled": True}}}}, r"needs networkPolicy\.metricsFrom"),
     ("port-clash", {"serve": {"grpcPort": 8080}},
      r"observability\.metrics\.port and serve\.grpcPort are both port 8080"),
+    ("admission-outlasts-the-call-timeout", {"app": {"target": {"admit_wait_s": 30}}},
+     r"app\.target\.admit_wait_s \(30\) must be below app\.router\.call_timeout_s \(30\)"),
     ("chart-owned-ray-param", {"workerGroups": {"target": {"rayStartParams": {"num-cpus": "4"}}}},
      r"workerGroups\.target\.rayStartParams\.num-cpus is set by the chart"),
 ]

@@ -4,6 +4,9 @@ small tolerance. */}}
 {{- define "specserve.checks" -}}
 {{- include "specserve.checkGroups" . -}}
 {{- include "specserve.checkPorts" . -}}
+{{- if ge (float64 .Values.app.target.admit_wait_s) (float64 .Values.app.router.call_timeout_s) -}}
+{{- fail (printf "app.target.admit_wait_s (%v) must be below app.router.call_timeout_s (%v): a row waiting for KV room that long times out at the router and is sent again" .Values.app.target.admit_wait_s .Values.app.router.call_timeout_s) -}}
+{{- end -}}
 {{- $groups := include "specserve.groups" . | fromJson -}}
 {{- $used := dict -}}
 {{- range $dep := list "router" "drafter" "target" -}}
