@@ -158,9 +158,9 @@ class DrafterOptions(BaseModel):
     max_batch: int = Field(64, ge=1, le=512, description="proposals per drafter step")
     batch_wait_ms: float = Field(50.0, ge=0, le=100, description=_WAIT)
     torch_threads: int | None = Field(None, ge=1, le=256, description=_THREADS)
-    session_idle_s: float = Field(10.0, gt=0, le=3600, description="a session no stream has "
-                                  "used this long is released (a router that died, a client "
-                                  "gone); a later call just rebuilds its cache")
+    session_idle_s: float = Field(10.0, gt=0, le=3600, description="a session with no row "
+                                  "waiting and no answer this long is released (a router that "
+                                  "died, a client gone); a later call just rebuilds its cache")
     draft_ahead: bool = Field(False, description="while the target verifies, draft the next "
                               "round for 'all drafts accepted, then the drafter's own next "
                               "token'; a call that matches gets it at once (outputs unchanged)")
@@ -190,8 +190,9 @@ class TargetOptions(BaseModel):
                                 "tensor-parallel group: a rank silent this long fails the group")
     tp_heartbeat_s: float = Field(2.0, gt=0, le=60, description="idle tensor-parallel groups "
                                   "exchange a heartbeat this often (a dead rank is noticed)")
-    session_idle_s: float = Field(10.0, gt=0, le=3600, description="a session no stream has "
-                                  "used this long is released (its cache rebuilds on use)")
+    session_idle_s: float = Field(10.0, gt=0, le=3600, description="a session with no row "
+                                  "waiting and no answer this long is released (a router that "
+                                  "died, a client gone); a later call just rebuilds its cache")
     max_queue: int = Field(1024, ge=1, le=1 << 20, description="verify rows waiting for a "
                            "forward, all streams together; beyond it RESOURCE_EXHAUSTED")
     batch_invariant: bool = Field(True, description="each sampled row's logits computed on "
