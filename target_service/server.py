@@ -233,7 +233,9 @@ class TargetServicer(pb_grpc.TargetServicer):
             finally:
                 if fspan is not None:
                     fspan.end()
-        queued = self.queued  # the load each reply reports (spec=auto reads it)
+        # the load each reply reports (spec=auto reads it): rows that can join the next steps;
+        # rows waiting for KV room cannot (autoscaling still counts them: ``queued``)
+        queued = self._queue.qsize()
         for i, (msg, replies, span) in enumerate(batch):
             if i in wait:
                 continue
