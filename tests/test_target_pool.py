@@ -289,6 +289,15 @@ def test_the_target_server_holds_a_row_until_a_release_makes_room(builtin_pair):
             while servicer.waiting == 0:  # the event: the row was put aside
                 await asyncio.sleep(0.01)
             assert servicer.queued == 1 and engine.evictions == 0
+            b = row(2, "b")  # a held session's next round is served meanwhile
+            b.call_id, b.tokens_start = 4, b.committed_len
+            b.tokens.append(7)
+            b.committed_len += 1
+            del b.tokens[:-1]
+            await send(b)
+            got = await nxt()
+            assert [r.call_id for r in got] == [4] and not got[0].cache_miss
+            assert got[0].queue_rows == 0  # the waiting row is not load the step can take
             await send(release_message("target", "a", "r"))
             got = await nxt()
             assert [r.call_id for r in got] == [3] and not got[0].error
