@@ -227,9 +227,15 @@ def test_drafter_failure_turns_speculation_off(service, tiny_app, generator, hel
         {"prompt": p, "max_tokens": n_new, "spec": "draft", "k": 3} for p in prompts],
         lambda: os.kill(pid, 9), 16, app=tiny_app)
     assert [r.get("token_ids") for r in results] == refs, results
-    reasons = [r["stats"]["speculation_disabled_reason"] for r in results]
-    assert all(r.startswith("drafter") for r in reasons), reasons
-    assert all(r["stats"]["spec"] == "off" for r in results)
+    # the request streaming at the kill finds no drafter within the lease wait: speculation
+    # off, with the reason. This app's target holds one session (a 64 KiB budget), so the
+    # others wait for it there and may lease (or be handed over to) the drafter Serve starts
+    # in place of the killed one: they keep drafting, with exact outputs all the same
+    off = [r for r in results if r["stats"]["spec"] == "off"]
+    assert off, results
+    assert all(r["stats"]["speculation_disabled_reason"].startswith("drafter") for r in off)
+    kept = [r for r in results if r["stats"]["spec"] != "off"]
+    assert all(not r["stats"]["speculation_disabled_reason"] for r in kept)
 
 
 def test_cli_generate_through_server(service, greedy_refs, builtin_pair):
