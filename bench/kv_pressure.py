@@ -39,6 +39,7 @@ def main() -> int:
         ap.error("--concurrency and --requests must be >= 1, --wall-s > 0")
 
     from deployments.local import start_local
+    from deployments.nodes import free_port
     from specserve.bench.workloads import builtin_workloads
     from specserve.client import Client
 
@@ -46,7 +47,7 @@ def main() -> int:
     target = {k: v for k, v in (("cache_bytes", args.cache_bytes),
                                 ("admit_wait_s", args.admit_wait_s)) if v is not None}
     service = start_local({"models": {"target": "bench-target", "drafter": "bench-drafter"},
-                           "target": target}, port=_free_port())
+                           "target": target}, port=free_port())
     from ray import serve
 
     handle = serve.get_deployment_handle("Target", "specserve")
@@ -117,14 +118,6 @@ def _pct(values: list[float], q: float) -> float:
     import numpy as np
 
     return round(float(np.percentile(values, q)), 2) if values else 0.0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -124,7 +124,8 @@ class TargetServicer(pb_grpc.TargetServicer):
         (of ``good``) that wait; they are put aside, oldest first."""
         now = time.monotonic()
         plan = self.engine.admission(items, [
-            now - self._since.get(id(batch[i][0]), now) >= self.admit_wait_s for i in good])
+            now - self._since.get(id(batch[i][0]), now) >= self.admit_wait_s for i in good]
+            if self._since else None)
         for sid in plan.preempt:
             self.engine.release(sid)
             self.kv["preempted"] += 1
@@ -132,11 +133,13 @@ class TargetServicer(pb_grpc.TargetServicer):
         for i in wait:
             self.kv["waited"] += id(batch[i][0]) not in self._since
             self._since.setdefault(id(batch[i][0]), now)
-        self._waiting = sorted([*self._waiting, *(batch[i] for i in wait)],
-                               key=lambda r: self._since[id(r[0])])
-        for i in good:
-            if i not in wait:
-                self._since.pop(id(batch[i][0]), None)
+        if wait:
+            self._waiting = sorted([*self._waiting, *(batch[i] for i in wait)],
+                                   key=lambda r: self._since[id(r[0])])
+        if self._since:  # rows that waited before and run now
+            for i in good:
+                if i not in wait:
+                    self._since.pop(id(batch[i][0]), None)
         return wait
 
     def _admit(self, msg: pb.VerifyRequest, replies: asyncio.Queue, stream: int) -> bool:

@@ -342,20 +342,23 @@ class TargetEngine(LRUSessions):
         The budget holds ``budget // session_bytes(pool length)`` sessions. A row of a held
         session always runs; a row that needs a new slot runs only while one fits (oldest
         first), else it waits for a release: admitting it by evicting a session still in use
-        would bring that one back at once as a cache miss that evicts another, LRU thrash
-        (measured: spec-off at concurrency 32 served 2 requests in 7 minutes). When held
+        would bring that one back at once as a cache miss that evicts another, LRU thrash.
+        When held
         sessions grow past the pool's length and no longer fit, the newest are preempted
         (released: their next row misses, and the resend waits here like a new session;
         vLLM's preemption by recompute). An ``overdue`` row (it waited too long) runs by
         evicting the least recently used session outside the step. At least one session
         always runs, whatever its size. ``gone``: sessions released but not yet applied."""
-        overdue = overdue or [False] * len(items)
-        held = {sid for sid in self._sessions if sid not in gone}
-        mine = [it.session_id in held for it in items]
+        mine = [it.session_id in self._sessions and it.session_id not in gone for it in items]
         need = max((it.committed_len + len(it.draft_tokens) for it, m in zip(items, mine,
                                                                                strict=True)
                     if m), default=0)
         length = self.pool.grown(need)
+        n_held = len(self._sessions) - sum(sid in self._sessions for sid in gone)
+        if all(mine) and (n_held <= 1 or self._fits(n_held, length)):
+            return Admission([True] * len(items), [])  # the steady state: all held, all fit
+        overdue = overdue or [False] * len(items)
+        held = {sid for sid in self._sessions if sid not in gone}
         preempt = []
         by_age = sorted(held, key=lambda sid: self._sessions[sid].order)
         while len(by_age) > 1 and not self._fits(len(by_age), length):
