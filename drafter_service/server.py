@@ -179,19 +179,21 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         tasks: set[asyncio.Task] = set()
         stream = next(self._streams)
 
-        async def handle(msg: pb.ProposeRequest) -> None:
+        async def handle(msg: pb.ProposeRequest, received_ns: int) -> None:
             reply = await self._propose(msg)
+            reply.received_ns, reply.sent_ns = received_ns, time.time_ns()
             self.sessions.answered(msg.session_id)
             await replies.put(reply)
 
         async def pump() -> None:
             async for batch in request_iterator:
+                received_ns = time.time_ns()
                 for msg in batch.rows:
                     if msg.release:
                         self.sessions.release(msg.session_id)
                         continue
                     self.sessions.touch(msg.session_id, stream)
-                    t = loop.create_task(handle(msg))
+                    t = loop.create_task(handle(msg, received_ns))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
             await asyncio.gather(*tasks)

@@ -59,6 +59,22 @@ class CallInfo:
     miss_ns: int | None = None  # when a cache-miss answer arrived (then a full resend)
     call_ns: int = 0  # when the call was sent
     reply_ns: int = 0  # when the (last) reply arrived
+    # the replica's own wall clock (0 in process): when it read the (last) call and when it
+    # handed the reply to its stream; the hop split of ``observers.RoundTiming``
+    received_ns: int = 0
+    sent_ns: int = 0
+
+    def hops(self) -> tuple[float, float, float] | None:
+        """(send, server, return) seconds of the last call: router -> replica, the replica's
+        time other than compute (queue, batching wait, decode / encode), replica -> router;
+        None without the replica's stamps. Across hosts send and return carry the clocks'
+        skew (their sum does not)."""
+        if not (self.received_ns and self.sent_ns and self.reply_ns):
+            return None
+        start = self.miss_ns if self.miss_ns is not None else self.call_ns
+        return ((self.received_ns - start) / 1e9,
+                max(0.0, (self.sent_ns - self.received_ns) / 1e9 - self.compute_s),
+                (self.reply_ns - self.sent_ns) / 1e9)
 
 
 @dataclass
@@ -150,6 +166,7 @@ async def call_with_resend(send: Callable[[Item], Awaitable[Outcome]],
             raise CacheMissAfterResend("cache miss after a full resend")
     info.replica, info.compute_s, info.reply_ns = out.call.replica, out.call.compute_s, \
         time.time_ns()
+    info.received_ns, info.sent_ns = out.call.received_ns, out.call.sent_ns
     out.call = info
     window.start, window.first = committed_len, False
     return out

@@ -184,35 +184,49 @@ def _window() -> deque:
     return deque(maxlen=50_000)
 
 
+_NAN = float("nan")
+_HOPS = ("send_s", "server_s", "return_s")
+TIMING_COLUMNS = (
+    "propose_s", "verify_s", "round_s", "drafter_compute_s", "target_compute_s", "gap_s",
+    *(f"{c}_{h}" for c in ("drafter", "target") for h in _HOPS))
+
+
 @dataclass
 class RoundTiming(Observer):
     """The router's recent rounds (bounded): the per-round split for ``router_stats``.
-    *_compute_s are the replicas' own compute times. Shared by every request."""
+    *_compute_s are the replicas' own compute times; {drafter,target}_{send,server,return}_s
+    the hop split of each call (``CallInfo.hops``; NaN where the component was not called or
+    did not stamp its reply); gap_s the time between a request's rounds (the round's end to
+    the next one's start: detokenization and the hand-off to the stream). Shared by every
+    request."""
 
-    propose_s: deque = field(default_factory=_window)
-    verify_s: deque = field(default_factory=_window)
-    round_s: deque = field(default_factory=_window)
-    drafter_compute_s: deque = field(default_factory=_window)
-    target_compute_s: deque = field(default_factory=_window)
+    cols: dict[str, deque] = field(
+        default_factory=lambda: {n: _window() for n in TIMING_COLUMNS})
 
     def round_end(self, state: RequestState, o: RoundOutcome) -> None:
-        self.propose_s.append(o.propose_s)
-        self.verify_s.append(o.verify_s)
-        self.round_s.append(o.round_s)
-        self.drafter_compute_s.append(o.proposal.call.compute_s if o.drafted else 0.0)
-        self.target_compute_s.append(o.verdict.call.compute_s)
+        c = self.cols
+        c["propose_s"].append(o.propose_s)
+        c["verify_s"].append(o.verify_s)
+        c["round_s"].append(o.round_s)
+        c["drafter_compute_s"].append(o.proposal.call.compute_s if o.drafted else 0.0)
+        c["target_compute_s"].append(o.verdict.call.compute_s)
+        c["gap_s"].append(o.gap_s if o.round_no else _NAN)
+        for name, out in (("drafter", o.proposal if o.drafted else None), ("target", o.verdict)):
+            hops = out.call.hops() if out is not None else None
+            for h, v in zip(_HOPS, hops or (_NAN,) * 3, strict=True):
+                c[f"{name}_{h}"].append(v)
 
     def snapshot(self) -> dict[str, list[float]]:
         """A consistent copy (rounds append from the event loop; readers may be elsewhere)."""
-        names = ("propose_s", "verify_s", "round_s", "drafter_compute_s", "target_compute_s")
+        names = TIMING_COLUMNS
         while True:
             try:
-                snap = {n: list(getattr(self, n)) for n in names}
+                snap = {n: list(self.cols[n]) for n in names}
             except RuntimeError:  # "deque mutated during iteration": read again
                 continue
             n = min(len(v) for v in snap.values())
             return {k: v[len(v) - n:] for k, v in snap.items()}
 
     def clear(self) -> None:
-        for n in ("propose_s", "verify_s", "round_s", "drafter_compute_s", "target_compute_s"):
-            getattr(self, n).clear()
+        for d in self.cols.values():
+            d.clear()

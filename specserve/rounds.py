@@ -198,6 +198,7 @@ class RoundOutcome:
     text: str = ""  # detokenized, when the loop has a detokenizer
     logprobs: list[TokenLogprob] | None = None  # one per committed token, when asked
     plan: Plan = NO_SPECULATION  # the policy's choice this round
+    gap_s: float = 0.0  # since the request's previous round ended (0: its first round)
 
     @property
     def drafted(self) -> int:
@@ -337,6 +338,7 @@ async def speculative_round(state: RequestState, proposer: Proposer | None,
                             observer: Observer) -> RoundOutcome:
     """One round: plan -> propose -> verify -> commit -> feedback -> repair accounting."""
     t0 = time.perf_counter()
+    gap = t0 - state.last_commit_t if state.last_commit_t else 0.0
     plan = policy.choose(state)  # no proposer: speculation is off (the plan says why)
     k = plan.k if proposer is not None and plan.proposer is not None else 0
     state.stats.record_plan(plan)
@@ -356,7 +358,8 @@ async def speculative_round(state: RequestState, proposer: Proposer | None,
     outcome = RoundOutcome(state.round_no, k, proposal, verdict, decision, tokens, finish,
                            t1 - t0, t2 - t1, time.perf_counter() - t0, repairs,
                            logprobs=(verdict.logprobs[: len(tokens)]
-                                     if verdict.logprobs is not None else None), plan=plan)
+                                     if verdict.logprobs is not None else None), plan=plan,
+                           gap_s=gap)
     _account_time(state, outcome)
     policy.observe(state, outcome)
     observer.round_end(state, outcome)

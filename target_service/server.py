@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from specserve.service.metrics import TargetBatchMetrics
 
 log = logging.getLogger(__name__)
-_Row = tuple[pb.VerifyRequest, asyncio.Queue, "Span | None"]  # a message, its stream, its span
+# a message, its stream, its span, when it was read (time.time_ns: the reply's received_ns)
+_Row = tuple[pb.VerifyRequest, asyncio.Queue, "Span | None", int]
 
 
 @dataclass
@@ -164,6 +165,7 @@ class TargetServicer(pb_grpc.TargetServicer):
 
         async def pump() -> None:
             async for batch in request_iterator:
+                received_ns = time.time_ns()
                 for msg in batch.rows:
                     if not self._admit(msg, replies, stream):
                         continue
@@ -175,7 +177,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                         span = tracer.start_span(
                             "target.verify_row", kind=SpanKind.SERVER,
                             context=tracing.context_from_traceparent(msg.traceparent))
-                    await self._queue.put((msg, replies, span))
+                    await self._queue.put((msg, replies, span, received_ns))
             await replies.put(None)
 
         reader = asyncio.get_running_loop().create_task(pump())
@@ -194,7 +196,7 @@ class TargetServicer(pb_grpc.TargetServicer):
 
     async def _serve(self, batch: list[_Row]) -> None:
         items, errors = [], {}
-        for i, (msg, _, _) in enumerate(batch):
+        for i, (msg, *_) in enumerate(batch):
             try:  # alone: a bad row is answered with its error and never fails the batch
                 item = verify_item_from_proto(msg)
                 self.engine.validate(item)
@@ -239,7 +241,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         # the load each reply reports (spec=auto reads it): rows that can join the next steps;
         # rows waiting for KV room cannot (autoscaling still counts them: ``queued``)
         queued = self._queue.qsize()
-        for i, (msg, replies, span) in enumerate(batch):
+        for i, (msg, replies, span, received_ns) in enumerate(batch):
             if i in wait:
                 continue
             if i in errors:
@@ -249,6 +251,7 @@ class TargetServicer(pb_grpc.TargetServicer):
                 outcomes[i].queue_rows = queued
                 reply = verify_outcome_to_proto(outcomes[i], msg.call_id, self.replica,
                                                 compute_us)
+            reply.received_ns, reply.sent_ns = received_ns, time.time_ns()
             if span is not None:
                 _end_row_span(span, msg, reply)
             if not reply.error:
@@ -263,7 +266,7 @@ def _batch_span(batch: list[_Row], rows: int) -> Span | None:
     from opentelemetry import trace
 
     tracer = tracing.tracer()
-    spans = [s for _, _, s in batch if s is not None]
+    spans = [s for _, _, s, _ in batch if s is not None]
     sampled = [s for s in spans if s.get_span_context().trace_flags.sampled]
     if tracer is None or not sampled:
         return None

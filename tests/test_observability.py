@@ -211,6 +211,48 @@ def test_forced_cache_miss_is_a_cache_repair_span(builtin_pair, generator, spans
     assert len(named["cache_repair"]) == 2
 
 
+def test_round_path_splits_each_call_into_hops_and_replica_time(builtin_pair):
+    """Every drafted round's calls are split by the replicas' stamps; time a row spends in
+    the target server before its step (here an injected 200 ms hold) is the server's, not a
+    hop's; the parts never exceed the call as the router timed it."""
+    from router.inprocess import start_inprocess
+    from router.stats import router_stats
+
+    hold_s = 0.2
+
+    async def go():
+        svc = await start_inprocess(builtin_pair)
+        serve = svc.target_servicer._serve
+
+        async def held(batch):  # the fault: every step starts 200 ms after its rows are in
+            await asyncio.sleep(hold_s)
+            await serve(batch)
+
+        svc.target_servicer._serve = held
+        try:
+            await svc.generate(GenerationRequest(prompt=PROMPT, max_tokens=MAX_NEW,
+                                                 spec="draft", k=3), "path-1")
+            return router_stats(svc.router), svc.router.timing.snapshot()
+        finally:
+            await svc.close()
+
+    stats, t = asyncio.run(go())
+    path = stats["round_path"]
+    rounds = stats["round"]["n"]
+    assert rounds > 1 and path["target_server"]["n"] == rounds
+    assert 0 < path["drafter_send"]["n"] == path["drafter_return"]["n"] <= rounds
+    assert path["between_rounds"]["n"] == rounds - 1
+    assert path["target_server"]["p50_ms"] >= hold_s * 1000
+    for i in range(rounds):
+        for c, call in (("drafter", "propose_s"), ("target", "verify_s")):
+            parts = [t[f"{c}_{h}_s"][i] for h in ("send", "server", "return")]
+            if c == "drafter" and t["drafter_compute_s"][i] == 0.0:
+                continue
+            assert min(parts) >= 0, (c, parts)
+            assert sum(parts) + t[f"{c}_compute_s"][i] <= t[call][i] + 1e-3, (c, parts)
+            assert parts[0] + parts[2] < hold_s  # the hold is not a hop's
+
+
 def test_tracing_off_is_a_none_check():
     tracing.use_provider(None)
     assert tracing.tracer() is None

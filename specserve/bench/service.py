@@ -299,7 +299,8 @@ def run_service_bench(
                         rs = router_stats()
                         row["router_round_split"] = {
                             k: rs[k] for k in ("round", "propose", "verify", "drafter_compute",
-                                               "target_compute", "orchestration_overhead")}
+                                               "target_compute", "orchestration_overhead",
+                                               "round_path")}
                     level[name] = row
                 base = level["off"]
                 for row in level.values():

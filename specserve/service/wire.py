@@ -61,6 +61,11 @@ def repair_from_proto(msg: pb.ProposeReply | pb.VerifyReply) -> RepairRecord | N
     return RepairRecord(r.cached_before, r.kept, r.fed)
 
 
+def _call_info(msg: pb.ProposeReply | pb.VerifyReply) -> CallInfo:
+    return CallInfo(replica=msg.replica, compute_s=msg.compute_us / 1e6,
+                    received_ns=msg.received_ns, sent_ns=msg.sent_ns)
+
+
 # ----------------------------------------------------------------- drafter
 def propose_item_to_proto(it: ProposeItem) -> pb.ProposeRequest:
     return pb.ProposeRequest(
@@ -89,7 +94,7 @@ def propose_outcome_from_proto(msg: pb.ProposeReply) -> ProposeOutcome:
     """q stays in wire form (bytes): the router passes it to the target untouched."""
     return ProposeOutcome(
         list(msg.draft_tokens), msg.draft_probs or None, msg.cache_miss, repair_from_proto(msg),
-        CallInfo(replica=msg.replica, compute_s=msg.compute_us / 1e6), ahead=msg.ahead)
+        _call_info(msg), ahead=msg.ahead)
 
 
 # ----------------------------------------------------------------- target
@@ -128,7 +133,7 @@ def verify_outcome_to_proto(o: VerifyOutcome, call_id: int, replica: str,
 def verify_outcome_from_proto(msg: pb.VerifyReply) -> VerifyOutcome:
     return VerifyOutcome(
         msg.num_accepted, msg.extra_token, msg.bonus, msg.cache_miss, repair_from_proto(msg),
-        msg.batch_size, CallInfo(replica=msg.replica, compute_s=msg.compute_us / 1e6),
+        msg.batch_size, _call_info(msg),
         logprobs_from_proto(msg.logprobs) if len(msg.logprobs) else None,
         msg.batch_tokens, msg.queue_rows)
 

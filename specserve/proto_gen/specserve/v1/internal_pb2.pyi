@@ -56,7 +56,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tokens_start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., mode: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
-    __slots__ = ("call_id", "draft_tokens", "draft_probs", "cache_miss", "repair", "replica", "error", "compute_us", "ahead")
+    __slots__ = ("call_id", "draft_tokens", "draft_probs", "cache_miss", "repair", "replica", "error", "compute_us", "ahead", "received_ns", "sent_ns")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class ProposeReply(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    SENT_NS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: bytes
@@ -75,7 +77,9 @@ class ProposeReply(_message.Message):
     error: str
     compute_us: int
     ahead: bool
-    def __init__(self, call_id: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    received_ns: int
+    sent_ns: int
+    def __init__(self, call_id: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., ahead: _Optional[bool] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("call_id", "request_id", "session_id", "committed_len", "tokens_start", "tokens", "draft_tokens", "draft_probs", "sampling", "release", "traceparent", "logprobs")
@@ -106,7 +110,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tokens_start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., traceparent: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("call_id", "num_accepted", "extra_token", "bonus", "cache_miss", "repair", "batch_size", "replica", "error", "compute_us", "logprobs", "batch_tokens", "queue_rows")
+    __slots__ = ("call_id", "num_accepted", "extra_token", "bonus", "cache_miss", "repair", "batch_size", "replica", "error", "compute_us", "logprobs", "batch_tokens", "queue_rows", "received_ns", "sent_ns")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EXTRA_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +124,8 @@ class VerifyReply(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    SENT_NS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     num_accepted: int
     extra_token: int
@@ -133,7 +139,9 @@ class VerifyReply(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_specserve_pb2.TokenLogprob]
     batch_tokens: int
     queue_rows: int
-    def __init__(self, call_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., extra_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., batch_size: _Optional[int] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_specserve_pb2.TokenLogprob, _Mapping]]] = ..., batch_tokens: _Optional[int] = ..., queue_rows: _Optional[int] = ...) -> None: ...
+    received_ns: int
+    sent_ns: int
+    def __init__(self, call_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., extra_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., batch_size: _Optional[int] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_specserve_pb2.TokenLogprob, _Mapping]]] = ..., batch_tokens: _Optional[int] = ..., queue_rows: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("rows",)
