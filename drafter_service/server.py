@@ -11,7 +11,10 @@ count the engine calls and the items they served (mean drafter batch = rows / ba
 With draft-ahead on (``DrafterEngine(draft_ahead=True)``), whenever the queue is empty
 after a batch the batcher drafts ahead for the replies just sent (one engine call while the
 target verifies; ``ahead_s`` counts its time, apart from ``compute_s``): a proposal that
-arrives meanwhile waits for that call, the price of a miss.
+arrives meanwhile waits for that call, the price of a miss. Each block drafted ahead is
+pushed at once, unasked, to the stream of its session (a ``ProposeReply`` with call_id 0 and
+the committed tokens it is for): a router whose verify outcome matches sends it to the target
+without waiting for a drafter hop.
 
 Private and bounded like the target's server: a shared ``secret`` on every stream, a
 message size limit, k at most ``MAX_K``, and sessions released by message, by their stream
@@ -37,7 +40,11 @@ from specserve.proto_gen.specserve.v1 import internal_pb2_grpc as pb_grpc
 from specserve.service.load import DRAFTING_WINDOW_S, RecentSessions
 from specserve.service.peers import SessionTracker, packed
 from specserve.service.scheduler import StepScheduler, by_session, gather
-from specserve.service.wire import propose_item_from_proto, propose_outcome_to_proto
+from specserve.service.wire import (
+    prepared_to_proto,
+    propose_item_from_proto,
+    propose_outcome_to_proto,
+)
 
 log = logging.getLogger(__name__)
 _Job = tuple[ProposeItem, "asyncio.Future[tuple[ProposeOutcome, int]]"]  # an item, its answer
@@ -61,6 +68,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._batcher: asyncio.Task | None = None
         self.sessions = SessionTracker(self._release, idle_s)
         self._streams = itertools.count(1)
+        self._outbox: dict[int, asyncio.Queue] = {}  # stream -> its replies (for pushes)
+        self.pushed = 0  # blocks drafted ahead and pushed to their router
         self._reaper: asyncio.Task | None = None
 
     def _release(self, session_id: str) -> None:
@@ -143,6 +152,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             self.sessions.busy = False
             self.sessions.apply()
             self.ahead_s += time.perf_counter() - t0
+        for block in self.engine.take_prepared():  # to the router now, unasked
+            outbox = self._outbox.get(self.sessions.stream_of(block.session_id))
+            if outbox is not None:
+                outbox.put_nowait(prepared_to_proto(block, self.replica))
+                self.pushed += 1
 
     async def _serve(self, jobs: list[_Job]) -> None:
         """One engine call for ``jobs``; each answer (or the call's error) to its future."""
@@ -178,6 +192,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task] = set()
         stream = next(self._streams)
+        self._outbox[stream] = replies
 
         async def handle(msg: pb.ProposeRequest, received_ns: int) -> None:
             reply = await self._propose(msg)
@@ -205,6 +220,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 yield message
         finally:
             reader.cancel()
+            self._outbox.pop(stream, None)
             self.sessions.stream_closed(stream)  # its router is gone: free its sessions
 
 

@@ -5,7 +5,9 @@ on loopback, vs ~1.8 ms for a unary call and ~2.5-3.9 ms through Serve handles),
 per-round orchestration cost stays small. Rows travel packed: one stream message carries
 every call queued at that moment (``pack``), and a replica answers a whole step in one
 message (``unpack``), so a step's replies resume their rounds together. Calls are paired
-with replies by ``call_id``.
+with replies by ``call_id``; a reply with call_id 0 was pushed unasked (a drafter's block
+drafted ahead) and waits in ``pushed`` under its session, the latest one only, until the
+session's request takes it or releases the session (at most ``MAX_PUSHED`` held).
 A broken stream fails its pending calls with ``StreamBroken``; the caller reconnects (to the
 same or another replica) and the receiver's cache repair makes the retry converge.
 """
@@ -29,6 +31,9 @@ CHANNEL_OPTIONS = [
 ]
 
 
+MAX_PUSHED = 4096  # pushed replies held at most (one per session; the oldest go first)
+
+
 class StreamBroken(ConnectionError):
     """The stream to a replica ended or failed; pending calls cannot complete on it."""
 
@@ -50,6 +55,7 @@ class StreamMux:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
+        self.pushed: dict[str, Any] = {}  # session -> the reply last pushed for it
         metadata = ((PEER_KEY, secret),) if secret else None
         self._call = open_stream(self._channel)(self._outgoing(), metadata=metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -62,6 +68,9 @@ class StreamMux:
         try:
             async for msg in self._call:
                 for reply in self._unpack(msg):
+                    if not reply.call_id:
+                        self._hold(reply)
+                        continue
                     fut = self._pending.pop(reply.call_id, None)
                     if fut is not None and not fut.done():
                         fut.set_result(reply)
@@ -73,6 +82,14 @@ class StreamMux:
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
+
+    def _hold(self, reply: Any) -> None:
+        sid = getattr(reply, "session_id", "")
+        if sid:
+            self.pushed.pop(sid, None)
+            self.pushed[sid] = reply
+            while len(self.pushed) > MAX_PUSHED:
+                del self.pushed[next(iter(self.pushed))]
 
     async def call(self, msg: Any, timeout: float) -> Any:
         if self.broken is not None:
@@ -91,6 +108,8 @@ class StreamMux:
         if self.broken is None:
             msg.call_id = 0
             self._queue.put_nowait(msg)
+        if getattr(msg, "release", False):
+            self.pushed.pop(msg.session_id, None)
 
     async def close(self) -> None:
         await self._queue.put(None)

@@ -38,6 +38,7 @@ from router.priors import PriorStore
 from specserve import tracing
 from specserve.api import GenerationRequest, TokenLogprob, prepare_prompt
 from specserve.contract import (
+    CallInfo,
     ProposeOutcome,
     SessionProposer,
     SessionVerifier,
@@ -203,15 +204,39 @@ class RemoteProposer(SessionProposer):
     """The drafter over the data path. A stream that breaks (its replica was removed by a
     scale-down or died) is handed over once: a new lease, and the new replica rebuilds the
     session's cache from the committed tokens. A second failure, or an error the drafter
-    answered, turns speculation off for the request (``ProposerFailed``)."""
+    answered, turns speculation off for the request (``ProposerFailed``).
+
+    Draft-ahead: a block the drafter pushed for exactly this round's committed tokens and k
+    (``wire.prepared_matches``) is the proposal at once, with no drafter hop on the round's
+    path; the same call as without it still goes out alongside (the drafter answers it
+    from that block and drafts ahead again), and the next round waits for its reply first,
+    so the drafter's record and this window stay in step."""
 
     def __init__(self, router: Router, session_id: str, lease: Lease):
         self.router, self.session_id, self.lease = router, session_id, lease
         self.handed_over = False
+        self._alongside: asyncio.Task | None = None  # the call made beside a pushed block
         super().__init__(remote_send(lease, router.cfg.call_timeout_s, "drafter"))
 
     async def propose(self, state: RequestState, k: int, traceparent: str,
                       mode: str | None = None) -> ProposeOutcome:
+        if self._alongside is not None:  # normally answered long ago
+            await asyncio.wait({self._alongside})
+            self._alongside = None
+        pushed = self.lease.mux.pushed.pop(self.session_id, None)
+        if pushed is not None and (mode or state.spec) == "draft" and \
+                wire.prepared_matches(pushed, state.committed, k):
+            self._alongside = asyncio.get_running_loop().create_task(
+                self._call(state, k, traceparent, mode))
+            self._alongside.add_done_callback(_retrieved)  # a failure shows at the next call
+            out = wire.propose_outcome_from_proto(pushed)
+            out.call = CallInfo(replica=pushed.replica, first=False)  # no call, no hop
+            out.pushed = True
+            return out
+        return await self._call(state, k, traceparent, mode)
+
+    async def _call(self, state: RequestState, k: int, traceparent: str,
+                    mode: str | None) -> ProposeOutcome:
         try:
             return await super().propose(state, k, traceparent, mode)
         except ProposerFailed as e:
@@ -227,6 +252,11 @@ class RemoteProposer(SessionProposer):
                 raise ProposerFailed(f"{e}; no drafter to hand over to: {e2}") from e2
             self.router.drafter_handovers += 1
             return await super().propose(state, k, traceparent, mode)
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: not logged as never retrieved
 
 
 def _move(call: RemoteVerifier | RemoteProposer, lease: Lease, component: str) -> None:

@@ -100,6 +100,7 @@ class ProposeOutcome:
     repair: RepairRecord | None = None  # None for ngram (no cache) and on a miss
     call: CallInfo = field(default_factory=CallInfo)
     ahead: bool = False  # drafted ahead, while the last round verified (draft-ahead)
+    pushed: bool = False  # ... and pushed to the router before the round: no call made
 
 
 @dataclass

@@ -74,6 +74,7 @@ class RequestStats:
     proposer_mix: dict[str, int] = field(default_factory=dict)  # "draft"/"ngram"/"none"
     decision_reasons: dict[str, int] = field(default_factory=dict)  # Plan.reason -> rounds
     drafted_ahead: int = 0  # rounds whose drafts were prepared ahead (draft-ahead hits)
+    drafted_ahead_pushed: int = 0  # of those, pushed before the round: no drafter call
 
     def record_plan(self, plan: Plan) -> None:
         def bump(d: dict, key: int | str) -> None:
@@ -374,6 +375,7 @@ def _account_time(state: RequestState, o: RoundOutcome) -> None:
     st.round_s += o.round_s
     st.drafter_compute_s += o.proposal.call.compute_s if o.drafted else 0.0
     st.drafted_ahead += int(o.proposal.ahead and o.drafted > 0)
+    st.drafted_ahead_pushed += int(o.proposal.pushed and o.drafted > 0)
     st.target_compute_s += o.verdict.call.compute_s
     for c, o_ in (("drafter", o.proposal), ("target", o.verdict)):
         if o_.call.replica:

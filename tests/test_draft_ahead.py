@@ -120,3 +120,58 @@ def test_the_drafter_server_drafts_ahead_between_calls(lean, prompts):
         assert got.ahead == r.ahead
         assert got.draft_tokens == ref.propose([propose_item_from_proto(m)])[0].draft_tokens
     assert servicer.ahead_s > 0 and servicer.engine.stats()["ahead_hits"] == 1
+
+
+def test_take_prepared_hands_over_each_block_once(lean, prompts):
+    """The blocks the server pushes: for committed + drafts + guess, the drafts the next
+    call gets; taken once; a session released meanwhile is left out."""
+    on = DrafterEngine(lean, draft_ahead=True)
+    items = [_item(s, p, 0, 3, "draft", SamplingParams()) for s, p in zip("ab", prompts,
+                                                                           strict=False)]
+    first = on.propose(items)
+    assert on.draft_ahead() == 2
+    on.release("b")
+    (block,) = on.take_prepared()
+    assert on.take_prepared() == []
+    guess = on._sessions["a"].ahead.committed[-1]
+    assert block.session_id == "a" and block.tail == [*first[0].draft_tokens, guess]
+    nxt = [*prompts[0], *block.tail]
+    assert block.committed_len == len(nxt)
+    (hit,) = on.propose([_item("a", nxt, len(prompts[0]), 3, "draft", SamplingParams())])
+    assert hit.ahead and hit.draft_tokens == block.drafts
+
+
+def test_the_router_sends_pushed_blocks_without_a_drafter_call(builtin_pair, generator):
+    """In process over real gRPC (router, drafter and target servers): with draft-ahead
+    on, rounds take the block the drafter pushed, and the outputs are those without it:
+    greedy equal to spec-off, a seeded sampled request identical on and off."""
+    import asyncio
+
+    from router.inprocess import start_inprocess
+    from specserve.api import GenerationRequest
+
+    prompt = "def parse_args(argv):\n    parser = argparse."
+    greedy = GenerationRequest(prompt=prompt, max_tokens=48, spec="draft", k=2)
+    sampled = GenerationRequest(prompt=prompt, max_tokens=48, spec="draft", k=2,
+                                temperature=0.8, seed=11)
+
+    async def run(ahead: bool):
+        svc = await start_inprocess(builtin_pair, draft_ahead=ahead)
+        try:
+            out = []
+            for i, req in enumerate((greedy, sampled)):
+                chunks = await svc.generate(req, f"push-{ahead}-{i}")
+                out.append(([t for c in chunks for t in c.token_ids], chunks[-1].stats))
+            return out, svc.drafter_servicer.pushed
+        finally:
+            await svc.close()
+
+    on, pushed = asyncio.run(run(True))
+    off, _ = asyncio.run(run(False))
+    _, ref, _ = generator.generate(GenerationRequest(prompt=prompt, max_tokens=48, spec="off"))
+    assert on[0][0] == ref == off[0][0]
+    assert on[1][0] == off[1][0]  # seeded: the same draws on and off
+    used = sum(st["drafted_ahead_pushed"] for _, st in on)
+    assert pushed >= used > 0
+    assert all(st["drafted_ahead_pushed"] <= st["drafted_ahead"] for _, st in on)
+    assert all(st["drafted_ahead"] == 0 for _, st in off)

@@ -122,6 +122,7 @@ def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_re
         "plans": plan_mix([r["stats"] for r in done]),
         "drafts": sum(r["stats"].get("drafts", 0) for r in done),
         "drafted_ahead": sum(r["stats"].get("drafted_ahead", 0) for r in done),
+        "drafted_ahead_pushed": sum(r["stats"].get("drafted_ahead_pushed", 0) for r in done),
         "latencies_ms": [round(r["latency"] * 1000, 3) for r in done],
         "outputs": [r["tokens"] if r is not None else None for r in results],
     }

@@ -19,6 +19,10 @@ next token as the extra one": it guesses that token b, then drafts k tokens afte
 committed + drafts + b. The next call that arrives with exactly that committed list, the
 same k and the same sampling gets the prepared block at once (``ProposeOutcome.ahead``);
 any other call (a miss) first crops the cache back to where it stood before drafting ahead.
+``take_prepared()`` hands the blocks just drafted ahead to the server, which pushes each to
+its router (``Prepared``): a router whose verify outcome matches sends it to the target at
+once, and makes the same call as without the push alongside (answered from this block), so
+the drafter and its next draft-ahead stay in step.
 Both ways the cache and every draft are what drafting on request would have given: the
 prepared block is drafted after the same cache state and the same fed chunk (the last
 draft and b together) as a call would feed, with the same counter-based draws (seed,
@@ -57,6 +61,19 @@ class _Block:
     base: int = 0
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A block drafted ahead, for pushing to the router: the drafts (and q) for
+    ``session_id`` once its committed tokens are ``committed_len`` long and end with ``tail``
+    (the last reply's drafts, then the guessed extra token)."""
+
+    session_id: str
+    committed_len: int
+    tail: list[int]
+    drafts: list[int]
+    q: object = None
+
+
 @dataclass
 class _Session:
     committed: list[int]
@@ -78,6 +95,7 @@ class DrafterEngine(LRUSessions):
         self.draft_ahead_on = draft_ahead and lean is not None
         self.ahead = {"drafted": 0, "hits": 0, "misses": 0}
         self._replied: dict[str, _Block] = {}  # session -> its last reply, to draft ahead from
+        self._to_push: list[Prepared] = []  # drafted ahead, not yet taken (take_prepared)
         self.lean = lean
         self.ngram_max_n, self.ngram_min_n = ngram_max_n, ngram_min_n
         self.vocab_size = int(lean.config.vocab_size) if lean is not None else None
@@ -199,6 +217,7 @@ class DrafterEngine(LRUSessions):
         them. Returns the rows drafted ahead."""
         assert self.lean is not None or not self.ahead_pending
         todo = []
+        sid_of: dict[int, str] = {}
         replied, self._replied = self._replied, {}
         for sid, r in replied.items():
             sess = self._sessions.get(sid)
@@ -208,6 +227,7 @@ class DrafterEngine(LRUSessions):
             if len(r.committed) + 2 * r.k + 1 > self.lean.max_len:
                 continue
             todo.append((sess, r))
+            sid_of[id(sess)] = sid
         if not todo:
             return 0
         guesses = propose_batch(self.lean, [
@@ -222,8 +242,19 @@ class DrafterEngine(LRUSessions):
         for (s, r), job, (drafts, q, _) in zip(todo, jobs, propose_batch(self.lean, jobs),
                                                strict=True):
             s.ahead = _Block(list(job.committed), r.k, r.sampling, r.seed, drafts, q, r.base)
+            if drafts:
+                self._to_push.append(Prepared(
+                    sid_of[id(s)], len(job.committed), job.committed[len(r.committed):],
+                    list(drafts), q))
         self.ahead["drafted"] += len(todo)
         return len(todo)
+
+    def take_prepared(self) -> list[Prepared]:
+        """The blocks drafted ahead since the last take, still this engine's next answer
+        (a session released or already called since is left out)."""
+        out, self._to_push = self._to_push, []
+        return [p for p in out if (s := self._sessions.get(p.session_id)) is not None
+                and s.ahead is not None and len(s.ahead.committed) == p.committed_len]
 
     def _admit(self, it: ProposeItem, served: set[str]) -> _Session | None:
         """The item's session with its committed tokens updated; None on a cache miss."""

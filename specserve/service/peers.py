@@ -45,6 +45,10 @@ class SessionTracker:
             self._seen[session_id] = time.monotonic()
         self._in_flight.discard(session_id)
 
+    def stream_of(self, session_id: str) -> int:
+        """The stream that used ``session_id`` last (0: none known)."""
+        return self._stream.get(session_id, 0)
+
     def held(self, session_id: str) -> bool:
         return session_id in self._seen
 

@@ -5,6 +5,8 @@ drafter and target servers decode items and encode outcomes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -20,6 +22,9 @@ from specserve.contract import (
 from specserve.core.sampling import SamplingParams
 from specserve.grpc_api import logprobs_from_proto, logprobs_to_proto
 from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
+
+if TYPE_CHECKING:
+    from specserve.engine.drafter import Prepared
 
 
 def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
@@ -88,6 +93,22 @@ def propose_outcome_to_proto(o: ProposeOutcome, call_id: int, replica: str,
         call_id=call_id, draft_tokens=o.draft_tokens, draft_probs=probs_to_bytes(o.draft_probs),
         cache_miss=o.cache_miss, repair=repair_to_proto(o.repair), replica=replica,
         compute_us=compute_us, ahead=o.ahead)
+
+
+def prepared_to_proto(p: Prepared, replica: str) -> pb.ProposeReply:
+    """A block drafted ahead, pushed unasked (call_id 0; ``DrafterEngine.take_prepared``)."""
+    return pb.ProposeReply(
+        call_id=0, draft_tokens=p.drafts, draft_probs=probs_to_bytes(p.q), replica=replica,
+        ahead=True, session_id=p.session_id, committed_len=p.committed_len, tail=p.tail)
+
+
+def prepared_matches(msg: pb.ProposeReply, committed: list[int], k: int) -> bool:
+    """A pushed block is this round's proposal: it is for exactly these committed tokens
+    (their length and their end: the previous call's drafts, all accepted, and the extra
+    token the drafter guessed; the rest is what that call carried) and has k drafts."""
+    n = len(msg.tail)
+    return (msg.committed_len == len(committed) and len(msg.draft_tokens) == k and n > 0
+            and committed[-n:] == list(msg.tail))
 
 
 def propose_outcome_from_proto(msg: pb.ProposeReply) -> ProposeOutcome:

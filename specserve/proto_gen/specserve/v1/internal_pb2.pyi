@@ -56,7 +56,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tokens_start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., mode: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
-    __slots__ = ("call_id", "draft_tokens", "draft_probs", "cache_miss", "repair", "replica", "error", "compute_us", "ahead", "received_ns", "sent_ns")
+    __slots__ = ("call_id", "draft_tokens", "draft_probs", "cache_miss", "repair", "replica", "error", "compute_us", "ahead", "received_ns", "sent_ns", "session_id", "committed_len", "tail")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,9 @@ class ProposeReply(_message.Message):
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: bytes
@@ -79,7 +82,10 @@ class ProposeReply(_message.Message):
     ahead: bool
     received_ns: int
     sent_ns: int
-    def __init__(self, call_id: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., ahead: _Optional[bool] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ...) -> None: ...
+    session_id: str
+    committed_len: int
+    tail: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, call_id: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., ahead: _Optional[bool] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("call_id", "request_id", "session_id", "committed_len", "tokens_start", "tokens", "draft_tokens", "draft_probs", "sampling", "release", "traceparent", "logprobs")
