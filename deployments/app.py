@@ -224,7 +224,7 @@ class DrafterDeployment:
         sv = self.servicer
         return {"replica": self.replica, "proposals": sv.proposals, "batches": sv.batches,
                 "rows": sv.rows, "pid": os.getpid(), "compute_s": sv.compute_s,
-                "ahead_s": sv.ahead_s,
+                "ahead_s": sv.ahead_s, "pushed": sv.pushed,
                 "held_sessions": len(self.servicer.sessions),
                 "released": dict(self.servicer.sessions.released), **self.engine.stats()}
 

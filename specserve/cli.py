@@ -235,9 +235,10 @@ def _names(flag: str, value: str | None) -> list[str] | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     out = product_stdout()  # the report's summary only; Ray's lines go to stderr
     quiet_libraries()
-    if args.draft_ahead and (not args.service or args.suite):
-        raise UsageError("--draft-ahead: only with --service (a running service has its own "
-                         "drafter.draft_ahead setting)")
+    if args.draft_ahead and (args.server or not (args.service or args.suite)):
+        raise UsageError("--draft-ahead: only with --service or --suite starting the service "
+                         "(a running one, --server, has its own drafter.draft_ahead setting)")
+    ahead = {"drafter": {"draft_ahead": True}} if args.draft_ahead else None
     if args.concurrency is None:
         args.concurrency = "1,2,4,8,16,32" if args.suite else "1,4,16"
     if args.suite:
@@ -266,7 +267,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args.server or local_service_starter(), args.target, args.drafter, levels,
             _int_list("--ks", args.ks) if args.ks else [2, 4], Path(args.out), classes=classes,
             requests_per_level=args.prompts, baselines=not args.no_hf,
-            poisson_rate=args.rate, only=only)
+            poisson_rate=args.rate, only=only, app_config=ahead)
         print((Path(args.out) / "summary.md").read_text(), file=out)
         return 0 if report["mismatches"]["total"] == 0 else 1
     if args.service or args.server:
@@ -280,7 +281,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             _int_list("--ks", args.ks) if args.ks else [2, 4], args.max_tokens,
             Path(args.out), requests_per_level=args.prompts,
             only=args.configs.split(",") if args.configs else None,
-            app_config={"drafter": {"draft_ahead": True}} if args.draft_ahead else None)
+            app_config=ahead)
         print(json.dumps(summarize(report), indent=1), file=out)
         return 0
     from specserve.bench.single import run_single_process_bench
@@ -355,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--configs", help="--service/--server: comma-separated configurations "
                        "to run besides spec-off (off, draft_k<K>, ngram_k4, auto; default all)")
     bench.add_argument("--draft-ahead", action="store_true",
-                       help="--service: start the service with drafter.draft_ahead on (compare "
-                            "with a run without it: bench/draft_ahead.sh)")
+                       help="--service / --suite: start the service with drafter.draft_ahead "
+                            "on (compare with a run without it: bench/draft_ahead.sh)")
     bench.add_argument("--suite", action="store_true",
                        help="the adoption benchmark: workload classes x concurrency x configs "
                             "+ HF/naive/engine baselines; report.json, outputs.jsonl, "
