@@ -8,6 +8,7 @@ replicas' spans, via the W3C ``traceparent`` they return) and ``cache_repair``.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -151,7 +152,10 @@ class TracingObserver(Observer):
 
 
 class MetricsObserver(Observer):
-    """One request's Prometheus observations into the replica's ``RouterMetrics``."""
+    """One request's Prometheus observations into the replica's ``RouterMetrics``. A round's
+    are recorded off the round path: read when it ends, handed to Ray's metrics two event-loop
+    turns later (``_later``), when the next round's first call has gone out (a round's eight
+    Ray metric calls otherwise delay the next round's start)."""
 
     def __init__(self, metrics: RouterMetrics):
         self.m = metrics
@@ -159,18 +163,25 @@ class MetricsObserver(Observer):
         self._last = 0.0
 
     def round_end(self, state: RequestState, o: RoundOutcome) -> None:
+        itl = None
+        if not self._first and o.tokens:
+            itl = (state.last_commit_t - self._last) / len(o.tokens)
+        first = state.stats.ttft_s if self._first else None
+        self._first, self._last = False, state.last_commit_t
+        _later(self._record_round, state.spec, o, first, itl)
+
+    def _record_round(self, spec: str, o: RoundOutcome, ttft_s: float | None,
+                      itl_s: float | None) -> None:
         d_compute = o.proposal.call.compute_s if o.drafted else 0.0
-        self.m.round(state.spec, o.round_s, o.propose_s, o.verify_s, d_compute,
+        self.m.round(spec, o.round_s, o.propose_s, o.verify_s, d_compute,
                      o.verdict.call.compute_s, o.drafted, len(o.decision.tokens))
         self.m.decision(o.plan.reason, o.plan.proposer)
         if o.proposal.ahead and o.drafted:
-            self.m.drafted_ahead_round(state.spec)
-        if self._first:
-            self.m.first_token(state.spec, state.stats.ttft_s)
-            self._first = False
-        elif o.tokens:
-            self.m.inter_token(state.spec, (state.last_commit_t - self._last) / len(o.tokens))
-        self._last = state.last_commit_t
+            self.m.drafted_ahead_round(spec)
+        if ttft_s is not None:
+            self.m.first_token(spec, ttft_s)
+        if itl_s is not None:
+            self.m.inter_token(spec, itl_s)
 
     def request_end(self, state: RequestState, error: BaseException | None) -> None:
         st = state.stats
@@ -178,6 +189,18 @@ class MetricsObserver(Observer):
                            st.output_tokens, st.total_s or (self._last - state.t0))
         for component, t in state.repairs.items():
             self.m.cache(component, t.repairs, t.misses, t.rolled_back, t.reprefilled)
+
+
+def _later(fn: Any, *args: Any) -> None:
+    """``fn(*args)`` two turns of the running event loop from now (at once without one): a
+    round that ends here starts the next one's call in this turn, the stream's writer task
+    sends it in the next, then this runs."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        fn(*args)
+        return
+    loop.call_soon(loop.call_soon, fn, *args)
 
 
 def _window() -> deque:

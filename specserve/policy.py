@@ -40,7 +40,11 @@ known blind spot.)
 Each plan says why: ``goodput`` (speculating pays), ``low_acceptance`` (it would not pay
 even alone), ``saturated`` (it would pay alone, not in this batch), ``no_lookup_match``
 (no drafter and the prompt lookup found nothing), ``drafter_unavailable`` (the drafter
-failed or is missing), ``budget`` (no room for a draft: max_tokens or the context).
+failed or is missing), ``budget`` (no room for a draft: max_tokens or the context),
+``explore`` (a row alone that found speculation not worth it ``EXPLORE_AFTER`` rounds in a
+row drafts once, its best candidate: its acceptance and the drafts' cost are measured only
+where it drafts, and an estimate made on a bad stretch, or a cost model that overprices
+drafts, would otherwise keep it at k = 0 for good).
 
 Greedy requests only: their output is the target's whatever the plan. A sampled request's
 tokens depend on where drafts were proposed, so its plans must not depend on timing or load
@@ -65,7 +69,8 @@ if TYPE_CHECKING:
 
 PROPOSERS = ("draft", "ngram")
 REASONS = ("goodput", "low_acceptance", "saturated", "no_lookup_match", "drafter_unavailable",
-           "budget", "sampled", "fixed", "off")
+           "budget", "sampled", "fixed", "off", "explore")
+EXPLORE_AFTER = 16  # rounds alone at k = 0 (low_acceptance) before one round drafts
 PRIOR_ACCEPTANCE = {"draft": 0.6, "ngram": 0.5}  # before any observation, fleet or own
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observations per position
 MIN_STEP = 0.1  # the moving estimate never weighs a new observation less than this
@@ -279,6 +284,7 @@ class GoodputPolicy:
             p: Acceptance([*priors.get(p, []), *[PRIOR_ACCEPTANCE[p]] * k_max][:k_max])
             for p in PROPOSERS}
         self.counts = {p: [[0] * k_max, [0] * k_max] for p in PROPOSERS}  # tried, accepted
+        self.idle = 0  # rounds alone in a row at k = 0 because speculating did not pay
 
     def candidates(self, state: RequestState, k_cap: int) -> list[tuple[str, int]]:
         out = []
@@ -326,7 +332,15 @@ class GoodputPolicy:
         if not cands:
             return Plan(None, 0, "no_lookup_match", 1.0)
         plan = self.best(cands, 0, context)  # alone: its own best, nobody included
-        return plan if plan.k > 0 else replace(plan, reason="low_acceptance")
+        if plan.k > 0:
+            self.idle = 0
+            return plan
+        self.idle += 1
+        if self.idle < EXPLORE_AFTER:
+            return replace(plan, reason="low_acceptance")
+        self.idle = 0
+        return replace(max((self.score(p, k, 0, context=context) for p, k in cands),
+                           key=lambda s: s[0])[1], reason="explore")
 
     def in_batch(self, k_cap: int, context: int = 0) -> Plan:
         """A row among others takes the plan the batch shares: the target's step waits for

@@ -96,6 +96,24 @@ def test_low_acceptance_shrinks_k_to_zero_with_its_reason():
     assert ks == sorted(ks, reverse=True)  # no oscillation on the way down
 
 
+def test_a_row_alone_at_k0_explores_and_comes_back_when_drafts_pay_again():
+    """Acceptance 0 takes k to 0; every EXPLORE_AFTER-th round at k = 0 drafts once (its
+    reason says so); once the drafter agrees again those rounds bring k back."""
+    from specserve.policy import EXPLORE_AFTER
+
+    st = state()
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    plans = run_history(policy, st, accept=lambda k: 0, rounds=8 + 2 * EXPLORE_AFTER)
+    zero = next(i for i, p in enumerate(plans) if p.k == 0)
+    explored = [i for i, p in enumerate(plans) if p.reason == "explore"]
+    assert explored == [zero + EXPLORE_AFTER - 1, zero + 2 * EXPLORE_AFTER - 1][
+        :len(explored)] and explored
+    assert all(plans[i].k > 0 and plans[i].proposer == "draft" for i in explored)
+    assert all(p.k == 0 for i, p in enumerate(plans) if i >= zero and i not in explored)
+    plans = run_history(policy, st, accept=lambda k: k, rounds=2 * EXPLORE_AFTER)
+    assert plans[-1].k > 0 and plans[-1].reason == "goodput"
+
+
 def test_saturated_target_turns_speculation_off():
     st = state()
     policy = GoodputPolicy(CostModel(), K, has_drafter=True)
@@ -319,7 +337,7 @@ def test_greedy_auto_equals_spec_off_single_process(generator, heldout):
         assert auto == off
         assert stats.spec == "auto"
         assert sum(stats.k_histogram.values()) == stats.acceptance.rounds
-        assert set(stats.decision_reasons) <= {"goodput", "low_acceptance", "saturated",
+        assert set(stats.decision_reasons) <= {"goodput", "low_acceptance", "explore", "saturated",
                                                "no_lookup_match", "budget"}
 
 

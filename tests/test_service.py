@@ -76,7 +76,7 @@ def test_auto_is_the_default_and_exact_under_concurrency(service, greedy_refs):
         assert st["spec"] == "auto"
         assert sum(st["k_histogram"].values()) == st["rounds"]
         assert sum(st["proposer_mix"].values()) == st["rounds"]
-        assert set(st["decision_reasons"]) <= {"goodput", "low_acceptance", "saturated",
+        assert set(st["decision_reasons"]) <= {"goodput", "low_acceptance", "explore", "saturated",
                                                "no_lookup_match", "budget"}
     # the router's cost model started from the replicas' start-up profiles (3 x 3 verify
     # grid, one row at a long context with 0, 2 and 4 drafts, the drafter at 1 and 8 rows)

@@ -102,9 +102,9 @@ class RouterMetrics:
             "...; the HTTP API counts the same codes).", ("code",))
         self.decisions = Counter(
             "specserve_spec_decisions",
-            "Rounds by the policy's decision: the reason (goodput, low_acceptance, saturated, "
-            "no_lookup_match, drafter_unavailable, budget, sampled; fixed / off for explicit "
-            "modes) and the proposer chosen (draft, ngram, none).", ("reason", "proposer"))
+            "Rounds by the policy's decision: the reason (goodput, low_acceptance, explore, "
+            "saturated, no_lookup_match, drafter_unavailable, budget, sampled; fixed / off for "
+            "explicit modes) and the proposer chosen (draft, ngram, none).", ("reason", "proposer"))
         self.drafted_ahead = Counter(
             "specserve_drafted_ahead_rounds",
             "Drafted rounds whose drafts the drafter had prepared ahead while the round before "
