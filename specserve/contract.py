@@ -131,9 +131,6 @@ class VerifyOutcome:
     logprobs: list[TokenLogprob] | None = None  # accepted drafts + extra token, if asked
     batch_tokens: int = 0  # positions verified in that forward (sum of k + 1 over its rows)
     queue_rows: int = 0  # rows waiting at the target when this reply left (its load)
-    # drafts x context summed over that forward's rows: the attention work the drafts add,
-    # which grows with the context (spec=auto's verify cost, ``policy.CostModel``)
-    batch_draft_context: int = 0
 
 
 NO_PROPOSAL = ProposeOutcome([], None)

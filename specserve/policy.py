@@ -7,17 +7,13 @@ the draft model with k up to K_max) is scored by the goodput of the target batch
 as if every row of that batch made the same choice::
 
     E(k)      = 1 + sum_{j=1..k} prod_{i<j} alpha_i          (expected committed tokens)
-    time(k)   = overhead + propose(R, k) + verify(R, R (1 + k), R k L)
-    goodput   = R E(k) / time(k)                 (R: rows, this one included; L: its context)
+    time(k)   = overhead + propose(R, k) + verify(R, R (1 + k))
+    goodput   = R E(k) / time(k)                             (R: rows, this one included)
 
 alpha_i: this request's acceptance estimate at draft position i for that proposer (an
 exponential moving estimate starting from a prior, the fleet's when Redis has one);
-verify(rows, tokens, draft context): the target's forward time (a + b_row rows + b_draft
-drafts + b_ctx drafts x context / 1000, fitted online to the replies' compute times, seeded
-by the replicas' start-up profiles at a short and a long context: each draft position
-attends to the whole context, so on long prompts drafts cost more, measured ~6 ms per draft
-at 64 tokens of context and ~11 ms at 512 on the bench pair's CPU target, against 29 ms for
-the plain step);
+verify(rows, tokens): the target's forward time (a + b_row rows + b_draft drafts, fitted
+online to the replies' compute times, seeded by the replicas' start-up profiles);
 propose(R, k): the proposer's call, for the draft model k drafter steps over the batch's
 drafting rows (c + d_row rows per step, likewise fitted and seeded), for prompt lookup its
 call alone; R: the rows of the last verify reply's batch plus the target's queue.
@@ -61,7 +57,6 @@ import numpy as np
 
 from specserve.api import MAX_K
 from specserve.core.ngram import propose_ngram
-from specserve.engine.profile import PAST as PROFILE_PAST
 from specserve.rounds import NO_SPECULATION, FixedK, Plan, Policy, max_k
 
 if TYPE_CHECKING:
@@ -110,7 +105,7 @@ class _Fit:
     squares with a ridge of ``ridge`` pseudo-observations per coefficient towards the prior
     ``a * (1, *rel)``: a coefficient the data does not determine (always one row; every row
     with k = 0) keeps the prior's, so a k not tried lately looks as cheap as the prior
-    says and gets tried. Coefficients are >= 0; ``ordered``: the second slope <= the first
+    says and gets tried. Coefficients are >= 0; ``ordered``: each slope <= the one before
     (for verify, a draft token never costs more than a new row: when rows and drafts rise
     together the fit alone cannot tell them apart)."""
 
@@ -156,7 +151,8 @@ class _Fit:
         theta = np.maximum(np.linalg.solve(self.xtx + np.diag(lam), self.xty + lam * prior), 0.0)
         theta[0] = max(theta[0], 1e-6)
         if self.ordered:
-            theta[2] = min(theta[2], theta[1])
+            for i in range(2, len(theta)):
+                theta[i] = min(theta[i], theta[i - 1])
         return theta
 
 
@@ -189,8 +185,7 @@ class CostModel:
 
     default_verify_s: float = 0.02
     draft_rel_cost: float = 0.1  # prior: a draft step costs 10% of a one-row target forward
-    # verify by (rows, drafts, drafts x context / 1000) over the forward's rows
-    verify: _Fit = field(default_factory=lambda: _Fit((0.3, 0.08, 0.1), ordered=True))
+    verify: _Fit = field(default_factory=lambda: _Fit((0.3, 0.08), ordered=True))
     # a drafter step by its rows; a light prior: two profiled points (1 and 8 rows) fix it
     draft: _Fit = field(default_factory=lambda: _Fit((0.3,), ridge=0.25))
     call_s: dict[str, float] = field(default_factory=dict)  # proposer -> fixed call time
@@ -200,14 +195,10 @@ class CostModel:
     pooled: dict[str, Acceptance] = field(default_factory=lambda: {
         p: Acceptance([PRIOR_ACCEPTANCE[p]] * MAX_K, POOLED_STEP) for p in PROPOSERS})
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
-    context: float = 0.0  # the requests' contexts, a moving average (a batch's shared plan)
     batch_k: int = 0  # the k the rows of a batch share (``GoodputPolicy.in_batch``)
 
-    def verify_s(self, rows: float, tokens: float, draft_context: float = 0.0) -> float:
-        """A forward of ``rows`` rows, ``tokens`` positions in all, and ``draft_context``
-        (drafts x context, summed over the rows)."""
-        return self.verify.predict((rows, tokens - rows, draft_context / 1000),
-                                   self.default_verify_s)
+    def verify_s(self, rows: float, tokens: float) -> float:
+        return self.verify.predict((rows, tokens - rows), self.default_verify_s)
 
     def draft_step_s(self, rows: float) -> float:
         """One draft token for ``rows`` rows in one drafter step."""
@@ -222,17 +213,13 @@ class CostModel:
                                             for p, v in self.call_s.items()},
                 "overhead_ms": round(1000 * self.overhead_s, 3), "profiled": self.profiled}
 
-    def seed(self, verify: Sequence[Sequence[float]], draft: object = None) -> None:
+    def seed(self, verify: Sequence[tuple[int, int, float]], draft: object = None) -> None:
         """Start from replicas' start-up profiles (``specserve.engine.profile``): verify
-        seconds by (rows, batch tokens, drafts x context) over a grid, and the draft model's
-        step seconds by rows. Online observations then take over (the fits decay old
-        points). A replica of the release before profiles (rows, tokens, seconds) at a
-        context of ``PROFILE_PAST`` tokens."""
-        for point in verify:
-            rows, tokens, seconds = point[0], point[1], point[-1]
-            dctx = point[2] if len(point) == 4 else (tokens - rows) * PROFILE_PAST
+        seconds by (rows, batch tokens) over a grid, and the draft model's step seconds by
+        rows. Online observations then take over (the fits decay old points)."""
+        for rows, tokens, seconds in verify:
             if rows > 0 and tokens >= rows and seconds > 0:
-                self.verify.observe((rows, tokens - rows, dctx / 1000), seconds)
+                self.verify.observe((rows, tokens - rows), seconds)
                 self.profiled += 1
         points = _drafter_profile(draft)
         for _ in range(DRAFT_PROFILE_WEIGHT):  # few points: each counts as several, in turn
@@ -254,8 +241,7 @@ class CostModel:
         verify = v.call.compute_s or o.verify_s  # in process: no replica reports compute
         tokens = v.batch_tokens or v.batch_size * (o.drafted + 1)
         if v.batch_size > 0 and verify > 0:
-            self.verify.observe((v.batch_size, tokens - v.batch_size,
-                                 v.batch_draft_context / 1000), verify)
+            self.verify.observe((v.batch_size, tokens - v.batch_size), verify)
         compute = (o.proposal.call.compute_s or o.propose_s) if o.drafted else 0.0
         if p == "draft" and o.drafted and compute > 0:
             # the rows that drafted with this one: the batch's drafts over this row's k
@@ -295,23 +281,21 @@ class GoodputPolicy:
         return out
 
     def score(self, proposer: str | None, k: int, others: int,
-              acceptance: dict[str, Acceptance] | None = None,
-              context: int = 0) -> tuple[float, Plan]:
+              acceptance: dict[str, Acceptance] | None = None) -> tuple[float, Plan]:
         """The goodput (tokens / s) of a batch of this row and ``others`` in which every
         row takes this plan: its expected committed tokens (by ``acceptance``, default
         this request's) and the round's time (one drafter step for the rows drafting
-        together, one target forward; the others' contexts taken as this row's)."""
+        together, one target forward)."""
         c, rows = self.cost, others + 1
         e = (acceptance or self.acceptance)[proposer].expected(k) if proposer else 1.0
-        t = c.overhead_s + c.propose_s(proposer, k, rows) + c.verify_s(
-            rows, rows * (1 + k), rows * k * context)
+        t = c.overhead_s + c.propose_s(proposer, k, rows) + c.verify_s(rows, rows * (1 + k))
         return rows * e / t, Plan(proposer, k, "goodput", e, t)
 
-    def best(self, cands: list[tuple[str, int]], others: int, context: int = 0) -> Plan:
+    def best(self, cands: list[tuple[str, int]], others: int) -> Plan:
         """The best of ``cands`` and of nobody proposing."""
         best, plan = self.score(None, 0, others)
         for p, k in cands:
-            g, candidate = self.score(p, k, others, context=context)
+            g, candidate = self.score(p, k, others)
             if g > best * (1 + 1e-9):
                 best, plan = g, candidate
         return plan
@@ -325,13 +309,12 @@ class GoodputPolicy:
             return Plan(None, 0, "budget", 1.0)
         if not state.sampling.greedy:
             return self.reproducible(state, k_cap)
-        context = len(state.committed)
         if self.cost.rows > 1:
-            return self.in_batch(k_cap, round(self.cost.context or context))
+            return self.in_batch(k_cap)
         cands = self.candidates(state, k_cap)
         if not cands:
             return Plan(None, 0, "no_lookup_match", 1.0)
-        plan = self.best(cands, 0, context)  # alone: its own best, nobody included
+        plan = self.best(cands, 0)  # alone: its own best, nobody included
         if plan.k > 0:
             self.idle = 0
             return plan
@@ -339,22 +322,21 @@ class GoodputPolicy:
         if self.idle < EXPLORE_AFTER:
             return replace(plan, reason="low_acceptance")
         self.idle = 0
-        return replace(max((self.score(p, k, 0, context=context) for p, k in cands),
+        return replace(max((self.score(p, k, 0) for p, k in cands),
                            key=lambda s: s[0])[1], reason="explore")
 
-    def in_batch(self, k_cap: int, context: int = 0) -> Plan:
+    def in_batch(self, k_cap: int) -> Plan:
         """A row among others takes the plan the batch shares: the target's step waits for
         its whole cohort and pads attention to the longest row, so a row that skipped the
         proposer while the others drafted would arrive early and split the cohort (measured:
         a third fewer rows per forward at concurrency 16), and one with more drafts than
         the others would lengthen every row. So the batch's k (its proposer: the draft
         model, or prompt lookup without one) is decided on what all its rows see alike,
-        the router's pooled acceptance, the shared costs, the batch's rows and the
-        requests' mean ``context``, and kept
+        the router's pooled acceptance, the shared costs and the batch's rows, and kept
         until another k scores ``HYSTERESIS`` better."""
         c, proposer = self.cost, "draft" if self.has_drafter else "ngram"
         others = c.rows - 1
-        scores = [self.score(proposer if k else None, k, others, c.pooled, context)
+        scores = [self.score(proposer if k else None, k, others, c.pooled)
                   for k in range(self.k_max + 1)]
         best = max(range(len(scores)), key=lambda k: scores[k][0])
         current = min(c.batch_k, self.k_max)
@@ -363,8 +345,7 @@ class GoodputPolicy:
         k = min(current, k_cap)
         if k > 0:
             return scores[k][1]
-        alone = max((self.score(proposer, j, 0, c.pooled, context)
-                     for j in range(1, self.k_max + 1)),
+        alone = max((self.score(proposer, j, 0, c.pooled) for j in range(1, self.k_max + 1)),
                     key=lambda s: s[0])  # would it pay without the others?
         reason = "saturated" if alone[0] > self.score(None, 0, 0)[0] else "low_acceptance"
         return replace(scores[0][1], reason=reason)
@@ -383,7 +364,6 @@ class GoodputPolicy:
 
     def observe(self, state: RequestState, o: RoundOutcome) -> None:
         self.cost.observe(o)
-        self.cost.context = _ema(self.cost.context or None, len(state.committed), 0.05)
         p = o.plan.proposer
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)

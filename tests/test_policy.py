@@ -39,7 +39,7 @@ def state(prompt=NO_MATCH, temperature=0.0, **kw):
 
 
 def outcome(plan: Plan, accepted: int, batch_size=1, queue_rows=0, verify_s=None,
-            propose_s=0.002, others_drafts=0, context=0) -> RoundOutcome:
+            propose_s=0.002, others_drafts=0) -> RoundOutcome:
     """A round's outcome in a batch whose other rows are plain (k = 0); the target's time
     is 20 ms + 2 ms per token in the forward (compute-bound: a draft costs what a row does)."""
     drafts = list(range(plan.k))
@@ -47,8 +47,7 @@ def outcome(plan: Plan, accepted: int, batch_size=1, queue_rows=0, verify_s=None
     proposal = ProposeOutcome(drafts, None, call=CallInfo(compute_s=propose_s * plan.k))
     verdict = VerifyOutcome(accepted, 1, accepted == plan.k, batch_size=batch_size,
                             call=CallInfo(compute_s=verify_s), queue_rows=queue_rows,
-                            batch_tokens=batch_size + plan.k + others_drafts,
-                            batch_draft_context=(plan.k + others_drafts) * context)
+                            batch_tokens=batch_size + plan.k + others_drafts)
     decision = decide_commit(10, drafts, accepted, 1)
     return RoundOutcome(0, plan.k, proposal, verdict, decision, decision.tokens, None,
                         propose_s * plan.k, verify_s, verify_s + propose_s * plan.k, [],
@@ -125,26 +124,6 @@ def test_saturated_target_turns_speculation_off():
     # ... and comes back when the load goes
     plans = run_history(policy, st, accept=mostly, rounds=2)
     assert plans[-1].k > 1 and plans[-1].reason == "goodput"
-
-
-def test_long_contexts_take_fewer_drafts_where_drafts_cost_more_there():
-    """The bench pair's CPU target, profiled: a draft costs ~6 ms after 64 tokens and ~11 ms
-    after 512 (29 ms the plain step). The same request, the same acceptance: on a short
-    context it drafts K, on a long one fewer (a model without the context priced the long
-    context's k = 4 rounds as the short one's: spec=auto 0.86x draft K=2 on code-long)."""
-    profile = [(1, 1, 0, 0.0285), (1, 3, 2 * 66, 0.0455), (1, 5, 4 * 68, 0.054),
-               (1, 1, 0, 0.029), (1, 3, 2 * 514, 0.050), (1, 5, 4 * 516, 0.0733)]
-    chosen = {}
-    for ctx in (64, 900):
-        cost = CostModel()
-        cost.seed(profile, [(1, 0.0011)])
-        prompt = list(range(100, 100 + ctx))  # no repeated n-gram: the draft model only
-        req = GenerationRequest(prompt_ids=prompt, max_tokens=64, k=K, seed=1)
-        st = new_state(req, prompt, 2048, None, ("", ""), "r")
-        policy = GoodputPolicy(cost, K, has_drafter=True, priors={"draft": [0.8] * K})
-        chosen[ctx] = policy.choose(st)
-    assert chosen[64].k == K and chosen[64].proposer == "draft"
-    assert 0 < chosen[900].k < K and chosen[900].cost_s < chosen[64].cost_s * 2
 
 
 def test_k_shrinks_smoothly_with_load():
@@ -249,18 +228,15 @@ def test_budget_and_sampled_plans():
                                                                            "sampled")
 
 
-def test_cost_model_learns_verify_time_by_rows_drafts_and_context():
+def test_cost_model_learns_verify_time_by_rows_and_drafts():
     cost = CostModel()
-    for i in range(90):
-        rows, k, ctx = i % 8 + 1, i % 5, (64, 512, 1000)[i % 3]
-        cost.observe(outcome(Plan("draft", k, "goodput"), k, batch_size=rows, context=ctx,
-                             verify_s=0.01 + 0.004 * rows + 0.002 * k + 0.006 * k * ctx / 1000))
-    a, b_row, b_draft, b_ctx = cost.verify.coef()
+    for i in range(60):
+        rows, k = i % 8 + 1, i % 5
+        cost.observe(outcome(Plan("draft", k, "goodput"), k, batch_size=rows,
+                             verify_s=0.01 + 0.004 * rows + 0.002 * k))
+    a, b_row, b_draft = cost.verify.coef()
     assert a == pytest.approx(0.01, rel=0.15) and b_row == pytest.approx(0.004, rel=0.15)
     assert b_draft == pytest.approx(0.002, rel=0.15)
-    assert b_ctx == pytest.approx(0.006, rel=0.15)  # per draft and 1000 tokens of context
-    assert cost.verify_s(1, 5, 4 * 1000) - cost.verify_s(1, 5, 4 * 64) == pytest.approx(
-        4 * 0.006 * 0.936, rel=0.15)
     assert cost.draft_step_s(1) == pytest.approx(0.002, rel=0.05)
     # only k = 0 seen lately: the draft coefficient stays at the prior's share
     fresh = CostModel()
@@ -278,13 +254,9 @@ def test_replica_profiles_seed_the_cost_model(builtin_pair):
     from specserve.engine.profile import profile_drafter, profile_target
 
     target = TargetEngine(builtin_pair.target)
-    points = profile_target(target, rows=(1, 8), drafts=(0, 4), long_past=256)
-    assert [(r, n) for r, n, _, _ in points] == [(1, 1), (1, 5), (8, 8), (8, 40), (1, 1),
-                                                 (1, 5)]
-    assert [d for _, _, d, _ in points][::2] == [0, 0, 0]  # no drafts, no draft context
-    short, long = points[1][2], points[-1][2]  # 4 drafts after ~64, then ~256 tokens
-    assert 4 * 64 < short < 4 * 80 and 4 * 256 < long < 4 * 272
-    assert all(s > 0 for *_, s in points) and points[3][3] > points[0][3]
+    points = profile_target(target, rows=(1, 8), drafts=(0, 4))
+    assert [(r, n) for r, n, _ in points] == [(1, 1), (1, 5), (8, 8), (8, 40)]
+    assert all(s > 0 for *_, s in points) and points[-1][2] > points[0][2]
     assert len(target._sessions) == 0  # released
     drafter = DrafterEngine(LeanLlama(builtin_pair.drafter))
     steps = profile_drafter(drafter, rows=(1, 8))
@@ -293,9 +265,9 @@ def test_replica_profiles_seed_the_cost_model(builtin_pair):
     assert profile_drafter(DrafterEngine(None)) is None
     cost = CostModel()
     cost.seed(points, steps)
-    assert cost.profiled == 8
-    for rows, tokens, dctx, seconds in points:
-        assert cost.verify_s(rows, tokens, dctx) == pytest.approx(seconds, rel=0.5)
+    assert cost.profiled == 6
+    for rows, tokens, seconds in points:
+        assert cost.verify_s(rows, tokens) == pytest.approx(seconds, rel=0.5)
     for rows, seconds in steps:
         assert cost.draft_step_s(rows) == pytest.approx(seconds, rel=0.5)
     old = CostModel()  # a drafter replica of the release before answers a bare number

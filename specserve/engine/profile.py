@@ -3,12 +3,10 @@
 
 ``profile_target``: verify calls over a grid of batch rows x draft tokens, through the
 engine's own ``verify`` (any engine: plain or tensor-parallel), each row with a cached past
-and feeding 1 + k tokens as a real round does, then the draft counts again for one row with
-a long past (each draft attends to the whole context: on long prompts drafts cost more).
-The online fit cannot separate the cost of a row from the cost of a draft token when both
-rise together under load, nor a long context's drafts from a short one's when the contexts
-do not change; the grid varies them independently. ``profile_drafter``: the draft model's
-time per draft step, by the rows drafting together (one drafter step serves them all).
+and feeding 1 + k tokens as a real round does. The online fit cannot separate the cost of a
+row from the cost of a draft token when both rise together under load; the grid varies them
+independently. ``profile_drafter``: the draft model's time per draft step, by the rows drafting
+together (one drafter step serves them all).
 
 Profile sessions are private (``PROFILE_PREFIX``) and released afterwards.
 """
@@ -28,16 +26,15 @@ ROWS = (1, 4, 16)
 DRAFTS = (0, 2, 4)
 DRAFT_ROWS = (1, 8)
 PAST = 64
-LONG_PAST = 512  # the long context (bounded by the engine's)
 
 
 class _Rows:
     """The profile's sessions: random committed tokens that grow by one per call."""
 
-    def __init__(self, n: int, vocab: int, past: int, tag: str = ""):
+    def __init__(self, n: int, vocab: int, past: int):
         self.rng = random.Random(0)
         self.vocab = vocab
-        self.ids = [f"{PROFILE_PREFIX}{tag}{i}" for i in range(n)]
+        self.ids = [f"{PROFILE_PREFIX}{i}" for i in range(n)]
         self.committed = {s: self._draw(past) for s in self.ids}
 
     def _draw(self, n: int) -> list[int]:
@@ -54,22 +51,10 @@ class _Rows:
 
 
 def profile_target(engine: Any, rows: Sequence[int] = ROWS, drafts: Sequence[int] = DRAFTS,
-                   past: int = PAST, repeats: int = 2,
-                   long_past: int = LONG_PAST) -> list[tuple[int, int, int, float]]:
-    """(rows, batch tokens, drafts x context, seconds) per grid point: the fastest of
-    ``repeats`` verify calls (each past's first call, its prefill, is not timed); the rows x
-    drafts grid at ``past``, then one row at ``long_past`` (0 or no room: none)."""
-    room = int(getattr(engine, "max_context", 0)) - repeats * len(drafts) * (1 + max(drafts))
-    long_past = min(long_past, room - max(drafts) - 1)
-    out = _grid(engine, rows, drafts, past, repeats, "")
-    if long_past > past:
-        out += _grid(engine, (1,), drafts, long_past, repeats, "long-")
-    return out
-
-
-def _grid(engine: Any, rows: Sequence[int], drafts: Sequence[int], past: int, repeats: int,
-          tag: str) -> list[tuple[int, int, int, float]]:
-    sessions = _Rows(max(rows), int(engine.vocab_size), past, tag)
+                   past: int = PAST, repeats: int = 2) -> list[tuple[int, int, float]]:
+    """(rows, batch tokens, seconds) per grid point: the fastest of ``repeats`` verify
+    calls (the first call of all, the prefill, is not timed)."""
+    sessions = _Rows(max(rows), int(engine.vocab_size), past)
     try:
         engine.verify([VerifyItem(s, past, 0, sessions.committed[s], [], None,
                                   SamplingParams(seed=0)) for s in sessions.ids])
@@ -82,8 +67,7 @@ def _grid(engine: Any, rows: Sequence[int], drafts: Sequence[int], past: int, re
                     t0 = time.perf_counter()
                     engine.verify(items)
                     best = min(best, time.perf_counter() - t0)
-                context = sum(it.committed_len for it in items) // r
-                out.append((r, r * (1 + k), r * k * context, best))
+                out.append((r, r * (1 + k), best))
         return out
     finally:
         for s in sessions.ids:
