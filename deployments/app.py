@@ -106,7 +106,8 @@ async def make_drafter_engine(cfg: AppConfig, host: str) -> Any:
     m = cfg.models
     lean = LeanLlama(load_model(resolve_model(m.drafter))) if m.drafter else None
     return DrafterEngine(lean, cache_budget_bytes=cfg.drafter.cache_bytes,
-                         draft_ahead=cfg.drafter.draft_ahead)
+                         draft_ahead=cfg.drafter.draft_ahead,
+                         guesses=cfg.drafter.draft_ahead_guesses)
 
 
 async def _hold(sessions, session_id: str, address: str):

@@ -162,8 +162,12 @@ class DrafterOptions(BaseModel):
                                   "waiting and no answer this long is released (a router that "
                                   "died, a client gone); a later call just rebuilds its cache")
     draft_ahead: bool = Field(False, description="while the target verifies, draft the next "
-                              "round for 'all drafts accepted, then the drafter's own next "
-                              "token'; a call that matches gets it at once (outputs unchanged)")
+                              "round for 'all drafts accepted, then one of the drafter's likeliest "
+                              "next tokens'; a call that matches gets it at once (outputs "
+                              "unchanged)")
+    draft_ahead_guesses: int = Field(2, ge=1, le=4, description="draft-ahead: the next tokens "
+                                     "guessed per greedy row (a block drafted for each; a "
+                                     "sampled row: its own draw only)")
 
     def threads(self) -> int:
         return _threads(self.torch_threads, self.scaling)

@@ -54,13 +54,14 @@ async def start_inprocess(pair: ModelPair, lean: LeanLlama | None = None, *,
                           target_cache_bytes: int = 512 << 20,
                           drafter_cache_bytes: int = 256 << 20,
                           batch_wait_s: float = 0.05,
-                          draft_ahead: bool = False) -> InProcessService:
+                          draft_ahead: bool = False, guesses: int = 1) -> InProcessService:
     """Start a drafter and a target gRPC server on 127.0.0.1 and a router over them."""
     if lean is None and pair.drafter is not None:
         from specserve.engine.lean import LeanLlama
 
         lean = LeanLlama(pair.drafter)
-    drafter = DrafterEngine(lean, drafter_cache_bytes, draft_ahead=draft_ahead)
+    drafter = DrafterEngine(lean, drafter_cache_bytes, draft_ahead=draft_ahead,
+                            guesses=guesses)
     target = TargetEngine(pair.target, target_cache_bytes)
     dserver, dport, dservicer = await start_drafter_server(drafter, replica="drafter-0",
                                                            batch_wait_s=batch_wait_s)

@@ -6,8 +6,9 @@ per-round orchestration cost stays small. Rows travel packed: one stream message
 every call queued at that moment (``pack``), and a replica answers a whole step in one
 message (``unpack``), so a step's replies resume their rounds together. Calls are paired
 with replies by ``call_id``; a reply with call_id 0 was pushed unasked (a drafter's block
-drafted ahead) and waits in ``pushed`` under its session, the latest one only, until the
-session's request takes it or releases the session (at most ``MAX_PUSHED`` held).
+drafted ahead, one per guessed outcome) and waits in ``pushed`` under its session, those
+for its latest committed length only, until the session's request takes them or releases
+the session (at most ``MAX_PUSHED`` sessions held).
 A broken stream fails its pending calls with ``StreamBroken``; the caller reconnects (to the
 same or another replica) and the receiver's cache repair makes the retry converge.
 """
@@ -55,7 +56,7 @@ class StreamMux:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
-        self.pushed: dict[str, Any] = {}  # session -> the reply last pushed for it
+        self.pushed: dict[str, list[Any]] = {}  # session -> the replies pushed for it
         metadata = ((PEER_KEY, secret),) if secret else None
         self._call = open_stream(self._channel)(self._outgoing(), metadata=metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -86,8 +87,10 @@ class StreamMux:
     def _hold(self, reply: Any) -> None:
         sid = getattr(reply, "session_id", "")
         if sid:
-            self.pushed.pop(sid, None)
-            self.pushed[sid] = reply
+            held = self.pushed.pop(sid, [])
+            if held and held[0].committed_len != reply.committed_len:
+                held = []  # for an earlier round: stale
+            self.pushed[sid] = [*held, reply]
             while len(self.pushed) > MAX_PUSHED:
                 del self.pushed[next(iter(self.pushed))]
 

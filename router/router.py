@@ -206,11 +206,11 @@ class RemoteProposer(SessionProposer):
     session's cache from the committed tokens. A second failure, or an error the drafter
     answered, turns speculation off for the request (``ProposerFailed``).
 
-    Draft-ahead: a block the drafter pushed for exactly this round's committed tokens and k
-    (``wire.prepared_matches``) is the proposal at once, with no drafter hop on the round's
-    path; the same call as without it still goes out alongside (the drafter answers it
-    from that block and drafts ahead again), and the next round waits for its reply first,
-    so the drafter's record and this window stay in step."""
+    Draft-ahead: a block the drafter pushed (one per guessed outcome) for exactly this
+    round's committed tokens and k (``wire.prepared_matches``) is the proposal at once, with
+    no drafter hop on the round's path; the same call as without it still goes out
+    alongside (the drafter answers it from that block and drafts ahead again), and the next
+    round waits for its reply first, so the drafter's record and this window stay in step."""
 
     def __init__(self, router: Router, session_id: str, lease: Lease):
         self.router, self.session_id, self.lease = router, session_id, lease
@@ -223,9 +223,9 @@ class RemoteProposer(SessionProposer):
         if self._alongside is not None:  # normally answered long ago
             await asyncio.wait({self._alongside})
             self._alongside = None
-        pushed = self.lease.mux.pushed.pop(self.session_id, None)
-        if pushed is not None and (mode or state.spec) == "draft" and \
-                wire.prepared_matches(pushed, state.committed, k):
+        pushed = next((b for b in self.lease.mux.pushed.pop(self.session_id, ())
+                       if wire.prepared_matches(b, state.committed, k)), None)
+        if pushed is not None and (mode or state.spec) == "draft":
             self._alongside = asyncio.get_running_loop().create_task(
                 self._call(state, k, traceparent, mode))
             self._alongside.add_done_callback(_retrieved)  # a failure shows at the next call

@@ -25,22 +25,35 @@ def prompts(builtin_pair, heldout):
             for p in heldout[:3]]
 
 
-# each round: (accepted drafts, the extra token: "guess" = the drafter's own guess, the one
-# drafted ahead for; "other": a different one), k, mode
-SCRIPT = [(4, "guess", 4, "draft"), (4, "guess", 4, "draft"), (1, "other", 4, "draft"),
+# each round: (accepted drafts, the extra token: "guess" = the drafter's first guess, the one
+# drafted ahead for; "guess2": its second (drafted ahead for with 2 guesses, a greedy row);
+# "other": none of them), k, mode
+SCRIPT = [(4, "guess", 4, "draft"), (4, "guess2", 4, "draft"), (1, "other", 4, "draft"),
           (4, "other", 4, "draft"), (4, "guess", 4, "draft"), (0, "other", 4, "draft"),
-          (4, "guess", 2, "draft"), (2, "guess", 2, "draft"), (2, "guess", 2, "ngram"),
-          (0, "other", 2, "draft"), (2, "guess", 2, "draft"), (2, "guess", 2, "draft")]
+          (4, "guess2", 2, "draft"), (2, "guess", 2, "draft"), (2, "guess", 2, "ngram"),
+          (0, "other", 2, "draft"), (2, "guess2", 2, "draft"), (2, "guess", 2, "draft")]
 
 
 def _item(sid, committed, start, k, mode, sampling):
     return ProposeItem(sid, len(committed), start, committed[start:], k, mode, sampling)
 
 
+def _extra(aheads, extra: str, vocab: int) -> int:
+    guesses = [a.committed[-1] for a in aheads]
+    if extra == "guess" and guesses:
+        return guesses[0]
+    if extra == "guess2" and len(guesses) > 1:
+        return guesses[1]
+    return next(t for t in range(vocab) if t not in guesses)
+
+
+@pytest.mark.parametrize("guesses", [1, 2])
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9,
                                                                         top_p=0.95, seed=7)])
-def test_draft_ahead_replies_equal_drafting_on_request(lean, prompts, sampling):
-    on = DrafterEngine(lean, draft_ahead=True)
+def test_draft_ahead_replies_equal_drafting_on_request(lean, prompts, sampling, guesses):
+    """Replies with draft-ahead on are those without it, hits (on any guess) and misses
+    alike, and the cache a miss leaves is what drafting on request left."""
+    on = DrafterEngine(lean, draft_ahead=True, guesses=guesses)
     off = DrafterEngine(lean)
     vocab = int(lean.config.vocab_size)
     committed = {f"s{i}": list(p) for i, p in enumerate(prompts)}
@@ -58,17 +71,20 @@ def test_draft_ahead_replies_equal_drafting_on_request(lean, prompts, sampling):
         assert on.draft_ahead() == (len(committed) if mode == "draft" else 0)
         for (sid, c), o in zip(committed.items(), want, strict=True):
             sent[sid] = len(c)
-            ahead = on._sessions[sid].ahead
-            guess = ahead.committed[-1] if ahead is not None else 0
+            aheads = on._sessions[sid].aheads
+            if mode == "draft":  # (after a lookup round the last ahead is still there)
+                assert len(aheads) == (guesses if sampling.greedy else 1)
             drafts = o.draft_tokens[:accepted]
-            c += [*drafts, guess if extra == "guess" and len(drafts) == len(o.draft_tokens)
-                  else (guess + 1) % vocab]
+            whole = len(drafts) == len(o.draft_tokens)
+            c += [*drafts, _extra(aheads, extra if whole else "other", vocab)]
         for sid in committed:  # the cache a miss leaves is what drafting on request left
             a, b = on._sessions[sid].model, off._sessions[sid].model
             assert a.tokens[:len(b.tokens)] == b.tokens
     stats = on.stats()
     assert hits == stats["ahead_hits"] > 0 and stats["ahead_misses"] > 0
     assert stats["ahead_drafted"] == 11 * len(committed)
+    second = guesses > 1 and sampling.greedy  # the second guesses hit only then
+    assert (stats["ahead_hits_other_guess"] > 0) == second
     assert off.stats()["ahead_drafted"] == 0
 
 
@@ -101,9 +117,9 @@ def test_the_drafter_server_drafts_ahead_between_calls(lean, prompts):
         try:
             committed = list(prompts[0])
             first = await servicer._propose(msg(1, committed, 0))
-            while servicer.engine._sessions["s"].ahead is None:  # the batcher's next step
+            while not servicer.engine._sessions["s"].aheads:  # the batcher's next step
                 await asyncio.sleep(0.001)
-            guess = servicer.engine._sessions["s"].ahead.committed[-1]
+            guess = servicer.engine._sessions["s"].aheads[0].committed[-1]
             nxt = [*committed, *first.draft_tokens, guess]
             second = await servicer._propose(msg(2, nxt, len(committed)))
             return servicer, [(msg(1, committed, 0), first), (msg(2, nxt, 0), second)]
@@ -133,7 +149,7 @@ def test_take_prepared_hands_over_each_block_once(lean, prompts):
     on.release("b")
     (block,) = on.take_prepared()
     assert on.take_prepared() == []
-    guess = on._sessions["a"].ahead.committed[-1]
+    guess = on._sessions["a"].aheads[0].committed[-1]
     assert block.session_id == "a" and block.tail == [*first[0].draft_tokens, guess]
     nxt = [*prompts[0], *block.tail]
     assert block.committed_len == len(nxt)
@@ -156,7 +172,7 @@ def test_the_router_sends_pushed_blocks_without_a_drafter_call(builtin_pair, gen
                                 temperature=0.8, seed=11)
 
     async def run(ahead: bool):
-        svc = await start_inprocess(builtin_pair, draft_ahead=ahead)
+        svc = await start_inprocess(builtin_pair, draft_ahead=ahead, guesses=2)
         try:
             out = []
             for i, req in enumerate((greedy, sampled)):

@@ -14,11 +14,15 @@ committed list with ``tokens_start = 0``.
 
 Draft-ahead (``draft_ahead=True``; issue 16, after SSD/Saguaro and PEARL): once a draft-model
 reply is out, ``draft_ahead()`` (the server calls it while the target verifies) prepares
-the next round for the likeliest outcome, "all k drafts accepted, then the drafter's own
-next token as the extra one": it guesses that token b, then drafts k tokens after
-committed + drafts + b. The next call that arrives with exactly that committed list, the
-same k and the same sampling gets the prepared block at once (``ProposeOutcome.ahead``);
-any other call (a miss) first crops the cache back to where it stood before drafting ahead.
+the next round for the likeliest outcomes, "all k drafts accepted, then one of the
+drafter's ``guesses`` likeliest next tokens as the extra one": it guesses those tokens b
+(a sampled row: its own draw only), then drafts k tokens after committed + drafts + b, for
+each b in one batched call (the first in the session's own cache, the others in copies of
+it, ``DraftModelSession.fork``; at most ``BRANCH_ROWS`` rows get more than one guess per
+call). The next call that arrives with exactly one of those committed lists, the same k and
+the same sampling gets its prepared block at once (``ProposeOutcome.ahead``; a copy's cache
+becomes the session's); any other call (a miss) first crops the cache back to where it
+stood before drafting ahead.
 ``take_prepared()`` hands the blocks just drafted ahead to the server, which pushes each to
 its router (``Prepared``): a router whose verify outcome matches sends it to the target at
 once, and makes the same call as without the push alongside (answered from this block), so
@@ -32,18 +36,19 @@ position), so a sampled row's q is bitwise the same and seeded outputs do not ch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from specserve.contract import ProposeItem, ProposeOutcome, RepairRecord
 from specserve.core.commit import check_tokens_window
 from specserve.core.ngram import propose_ngram
 from specserve.core.sampling import SamplingParams
 from specserve.engine.lean import LeanLlama
-from specserve.engine.sessions import DraftJob, DraftModelSession, propose_batch
+from specserve.engine.sessions import DraftJob, DraftModelSession, guess_batch, propose_batch
 from specserve.service.lru import LRUSessions
 
 __all__ = ["DrafterEngine", "ProposeItem", "ProposeOutcome"]
 _TOKEN_BYTES = 8
+BRANCH_ROWS = 8  # rows per draft-ahead call that get more than one guess (each: a cache copy)
 
 
 @dataclass
@@ -59,6 +64,7 @@ class _Block:
     drafts: list[int]
     q: object = None  # torch.Tensor [k, V] | None (greedy)
     base: int = 0
+    model: DraftModelSession | None = None  # a guess drafted in a copy (None: the session's)
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class Prepared:
 class _Session:
     committed: list[int]
     model: DraftModelSession | None = None
-    ahead: _Block | None = None  # the block drafted ahead, for the next call
+    aheads: list[_Block] = field(default_factory=list)  # drafted ahead, for the next call
 
     @property
     def nbytes(self) -> int:
@@ -90,10 +96,14 @@ class DrafterEngine(LRUSessions):
     """Draft-model and n-gram proposals for many sessions, with an LRU byte budget."""
 
     def __init__(self, lean: LeanLlama | None, cache_budget_bytes: int = 256 << 20,
-                 ngram_max_n: int = 4, ngram_min_n: int = 1, draft_ahead: bool = False):
+                 ngram_max_n: int = 4, ngram_min_n: int = 1, draft_ahead: bool = False,
+                 guesses: int = 1):
         super().__init__(cache_budget_bytes)
         self.draft_ahead_on = draft_ahead and lean is not None
-        self.ahead = {"drafted": 0, "hits": 0, "misses": 0}
+        self.guesses = max(1, guesses)
+        # rows drafted ahead; calls that got a block (of them: for a guess other than the
+        # first) and calls that did not
+        self.ahead = {"drafted": 0, "hits": 0, "hits_other_guess": 0, "misses": 0}
         self._replied: dict[str, _Block] = {}  # session -> its last reply, to draft ahead from
         self._to_push: list[Prepared] = []  # drafted ahead, not yet taken (take_prepared)
         self.lean = lean
@@ -185,22 +195,29 @@ class DrafterEngine(LRUSessions):
         return super().release(session_id)
 
     def _prepared(self, sid: str, sess: _Session, it: ProposeItem) -> ProposeOutcome | None:
-        """The block drafted ahead for this call, if it is this call's (the same committed
-        tokens, k and sampling); else None, the cache cropped back to before the ahead."""
-        ahead, sess.ahead = sess.ahead, None
+        """The block drafted ahead for this call, if one is this call's (the same committed
+        tokens, k and sampling; drafted in a copy: the copy becomes the session's cache);
+        else None, the cache cropped back to before the ahead."""
+        aheads, sess.aheads = sess.aheads, []
         self._replied.pop(sid, None)
-        if ahead is None or sess.model is None:
+        if not aheads or sess.model is None:
             return None
-        model = sess.model
-        if (ahead.committed == sess.committed and ahead.k == it.k
-                and ahead.sampling == it.sampling and ahead.seed == (it.sampling.seed or 0)):
-            self.ahead["hits"] += 1
-            record = RepairRecord(len(model.tokens), len(model.tokens), 0)
-            if self.draft_ahead_on:  # the next ahead starts from this block
-                self._replied[sid] = replace(ahead, base=len(model.tokens))
-            return ProposeOutcome(list(ahead.drafts), ahead.q, repair=record, ahead=True)
+        for i, ahead in enumerate(aheads):
+            if (ahead.committed == sess.committed and ahead.k == it.k
+                    and ahead.sampling == it.sampling
+                    and ahead.seed == (it.sampling.seed or 0)):
+                self.ahead["hits"] += 1
+                self.ahead["hits_other_guess"] += i > 0
+                if ahead.model is not None:
+                    sess.model = ahead.model
+                model = sess.model
+                record = RepairRecord(len(model.tokens), len(model.tokens), 0)
+                if self.draft_ahead_on:  # the next ahead starts from this block
+                    self._replied[sid] = replace(ahead, base=len(model.tokens), model=None)
+                return ProposeOutcome(list(ahead.drafts), ahead.q, repair=record, ahead=True)
         self.ahead["misses"] += 1
-        keep = min(ahead.base, len(model.tokens))
+        model = sess.model
+        keep = min(aheads[0].base, len(model.tokens))
         model.cache.crop(keep)
         model.tokens = model.tokens[:keep]
         return None
@@ -230,21 +247,27 @@ class DrafterEngine(LRUSessions):
             sid_of[id(sess)] = sid
         if not todo:
             return 0
-        guesses = propose_batch(self.lean, [
+        guesses = guess_batch(self.lean, [
             DraftJob(s.model, r.committed + r.drafts, 1, r.sampling, r.seed)
-            for s, r in todo])
-        jobs = []
-        for (s, r), (b, _, _) in zip(todo, guesses, strict=True):
+            for s, r in todo], self.guesses)
+        jobs, owners = [], []
+        for n, ((s, r), bs) in enumerate(zip(todo, guesses, strict=True)):
             s.model.cache.crop(r.base)
             s.model.tokens = s.model.tokens[:r.base]
-            jobs.append(DraftJob(s.model, [*r.committed, *r.drafts, *b], r.k, r.sampling,
-                                 r.seed))
-        for (s, r), job, (drafts, q, _) in zip(todo, jobs, propose_batch(self.lean, jobs),
-                                               strict=True):
-            s.ahead = _Block(list(job.committed), r.k, r.sampling, r.seed, drafts, q, r.base)
+            s.aheads = []
+            for j, b in enumerate(bs if n < BRANCH_ROWS else bs[:1]):
+                model = s.model if j == 0 else s.model.fork(r.base)
+                jobs.append(DraftJob(model, [*r.committed, *r.drafts, b], r.k, r.sampling,
+                                     r.seed))
+                owners.append((s, r, None if j == 0 else model))
+        for (s, r, model), job, (drafts, q, _) in zip(owners, jobs,
+                                                      propose_batch(self.lean, jobs),
+                                                      strict=True):
+            s.aheads.append(_Block(list(job.committed), r.k, r.sampling, r.seed, drafts, q,
+                                   r.base, model))
             if drafts:
                 self._to_push.append(Prepared(
-                    sid_of[id(s)], len(job.committed), job.committed[len(r.committed):],
+                    sid_of[id(s)], len(job.committed), list(job.committed[len(r.committed):]),
                     list(drafts), q))
         self.ahead["drafted"] += len(todo)
         return len(todo)
@@ -254,7 +277,8 @@ class DrafterEngine(LRUSessions):
         (a session released or already called since is left out)."""
         out, self._to_push = self._to_push, []
         return [p for p in out if (s := self._sessions.get(p.session_id)) is not None
-                and s.ahead is not None and len(s.ahead.committed) == p.committed_len]
+                and any(len(b.committed) == p.committed_len
+                        and b.committed[-len(p.tail):] == p.tail for b in s.aheads)]
 
     def _admit(self, it: ProposeItem, served: set[str]) -> _Session | None:
         """The item's session with its committed tokens updated; None on a cache miss."""

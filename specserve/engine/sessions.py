@@ -60,6 +60,16 @@ class DraftModelSession:
         """k draft tokens and q [k, V] (None when greedy: q is one-hot on the drafts)."""
         return propose_batch(self.lean, [DraftJob(self, committed, k, sampling, seed)])[0]
 
+    def fork(self, length: int) -> DraftModelSession:
+        """A new session holding this one's first ``length`` cache entries (a copy)."""
+        out = DraftModelSession(self.lean)
+        length = min(length, self.cache.length)
+        out.cache.k[:, :, :length] = self.cache.k[:, :, :length]
+        out.cache.v[:, :, :length] = self.cache.v[:, :, :length]
+        out.cache.length = length
+        out.tokens = self.tokens[:length]
+        return out
+
 
 @dataclass
 class DraftJob:
@@ -93,6 +103,27 @@ def propose_batch(
         feeds = [[drafts[i][-1]] for i in rows]
     return [(drafts[i], torch.stack(qs[i]) if qs[i] else None, records[i])
             for i in range(len(jobs))]
+
+
+def guess_batch(lean: LeanLlama, jobs: Sequence[DraftJob], m: int) -> list[list[int]]:
+    """Each job's next token after its committed tokens, in one batched forward (the
+    repair fed as ``propose_batch`` feeds it): a greedy row's ``m`` likeliest, its argmax
+    first; a sampled row's own draw (its seed, at its position), alone."""
+    records = [job.session.repair(job.committed) for job in jobs]
+    feeds = [list(job.committed[rec.kept:]) for job, rec in zip(jobs, records, strict=True)]
+    logits = lean.forward_batch([job.session.cache for job in jobs], feeds,
+                                exact=[not job.sampling.greedy for job in jobs],
+                                last_only=True)  # [R, V]
+    drafts: list[list[int]] = [[] for _ in jobs]
+    rows = list(range(len(jobs)))
+    for job, fed in zip(jobs, feeds, strict=True):
+        job.session.tokens.extend(fed)
+    _pick(jobs, rows, logits, [1] * len(jobs), drafts, [[] for _ in jobs])
+    for r, job in enumerate(jobs):
+        if job.sampling.greedy and m > 1:
+            top = logits[r].topk(min(m, logits.shape[-1])).indices.tolist()
+            drafts[r] += [int(t) for t in top if t != drafts[r][0]][: m - 1]
+    return drafts
 
 
 def _pick(jobs: Sequence[DraftJob], rows: list[int], logits: torch.Tensor, ks: list[int],
