@@ -235,10 +235,14 @@ def _names(flag: str, value: str | None) -> list[str] | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     out = product_stdout()  # the report's summary only; Ray's lines go to stderr
     quiet_libraries()
-    if args.draft_ahead and (args.server or not (args.service or args.suite)):
+    if args.draft_ahead is not None and (args.server or not (args.service or args.suite)):
         raise UsageError("--draft-ahead: only with --service or --suite starting the service "
                          "(a running one, --server, has its own drafter.draft_ahead setting)")
-    ahead = {"drafter": {"draft_ahead": True}} if args.draft_ahead else None
+    if args.draft_ahead is not None and not 0 <= args.draft_ahead <= 4:
+        raise UsageError(f"--draft-ahead: GUESSES must be 1-4, got {args.draft_ahead}")
+    ahead = None if args.draft_ahead is None else {"drafter": {
+        "draft_ahead": True, **({"draft_ahead_guesses": args.draft_ahead}
+                                if args.draft_ahead else {})}}
     if args.concurrency is None:
         args.concurrency = "1,2,4,8,16,32" if args.suite else "1,4,16"
     if args.suite:
@@ -355,9 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "1,2,3,4,6,8,12,16,24,32")
     bench.add_argument("--configs", help="--service/--server: comma-separated configurations "
                        "to run besides spec-off (off, draft_k<K>, ngram_k4, auto; default all)")
-    bench.add_argument("--draft-ahead", action="store_true",
+    bench.add_argument("--draft-ahead", nargs="?", type=int, const=0, default=None,
+                       metavar="GUESSES",
                        help="--service / --suite: start the service with drafter.draft_ahead "
-                            "on (compare with a run without it: bench/draft_ahead.sh)")
+                            "on, and GUESSES next tokens guessed per row if given (1-4; "
+                            "compare with a run without it: bench/draft_ahead.sh)")
     bench.add_argument("--suite", action="store_true",
                        help="the adoption benchmark: workload classes x concurrency x configs "
                             "+ HF/naive/engine baselines; report.json, outputs.jsonl, "

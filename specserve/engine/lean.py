@@ -307,6 +307,16 @@ class LeanCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def prefix_copy(self, length: int) -> LeanCache:
+        """A new cache holding a copy of this one's first ``length`` entries (the rest zero,
+        as in a new cache: batched attention reads padded positions under its mask)."""
+        out = LeanCache.__new__(LeanCache)
+        out.k, out.v = torch.zeros_like(self.k), torch.zeros_like(self.v)
+        out.length = min(length, self.length)
+        out.k[:, :, :out.length] = self.k[:, :, :out.length]
+        out.v[:, :, :out.length] = self.v[:, :, :out.length]
+        return out
+
     @property
     def nbytes(self) -> int:
         return self.k.numel() * 4 * 2

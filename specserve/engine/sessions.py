@@ -62,12 +62,9 @@ class DraftModelSession:
 
     def fork(self, length: int) -> DraftModelSession:
         """A new session holding this one's first ``length`` cache entries (a copy)."""
-        out = DraftModelSession(self.lean)
-        length = min(length, self.cache.length)
-        out.cache.k[:, :, :length] = self.cache.k[:, :, :length]
-        out.cache.v[:, :, :length] = self.cache.v[:, :, :length]
-        out.cache.length = length
-        out.tokens = self.tokens[:length]
+        out = DraftModelSession.__new__(DraftModelSession)
+        out.lean, out.cache = self.lean, self.cache.prefix_copy(length)
+        out.tokens = self.tokens[:out.cache.length]
         return out
 
 
