@@ -206,11 +206,16 @@ class RemoteProposer(SessionProposer):
     session's cache from the committed tokens. A second failure, or an error the drafter
     answered, turns speculation off for the request (``ProposerFailed``).
 
-    Draft-ahead: a block the drafter pushed (one per guessed outcome) for exactly this
+    Draft-ahead: while the request is alone at the target (its last forward had one row and
+    nothing queued), a block the drafter pushed (one per guessed outcome) for exactly this
     round's committed tokens and k (``wire.prepared_matches``) is the proposal at once, with
     no drafter hop on the round's path; the same call as without it still goes out
     alongside (the drafter answers it from that block and drafts ahead again), and the next
-    round waits for its reply first, so the drafter's record and this window stay in step."""
+    round waits for its reply first, so the drafter's record and this window stay in step.
+    Among other rows it is not used (the call is made, and answered from the block): a row
+    that skipped the drafter hop would reach the target ahead of its cohort and split the
+    step (measured at concurrency 16: draft K=2 0.97x spec-off with it, 1.05x without
+    draft-ahead)."""
 
     def __init__(self, router: Router, session_id: str, lease: Lease):
         self.router, self.session_id, self.lease = router, session_id, lease
@@ -223,9 +228,9 @@ class RemoteProposer(SessionProposer):
         if self._alongside is not None:  # normally answered long ago
             await asyncio.wait({self._alongside})
             self._alongside = None
-        pushed = next((b for b in self.lease.mux.pushed.pop(self.session_id, ())
-                       if wire.prepared_matches(b, state.committed, k)), None)
-        if pushed is not None and (mode or state.spec) == "draft":
+        held = self.lease.mux.pushed.pop(self.session_id, ())
+        pushed = next((b for b in held if wire.prepared_matches(b, state.committed, k)), None)
+        if pushed is not None and (mode or state.spec) == "draft" and state.target_rows <= 1:
             self._alongside = asyncio.get_running_loop().create_task(
                 self._call(state, k, traceparent, mode))
             self._alongside.add_done_callback(_retrieved)  # a failure shows at the next call

@@ -113,6 +113,7 @@ class RequestState:
     output: list[int] = field(default_factory=list)
     finish: str | None = None
     round_no: int = 0
+    target_rows: int = 0  # rows of the last verify's forward plus the target's queue then
     t0: float = field(default_factory=time.perf_counter)
     last_commit_t: float = 0.0
     repairs: dict[str, RepairTally] = field(
@@ -348,6 +349,7 @@ async def speculative_round(state: RequestState, proposer: Proposer | None,
     t1 = time.perf_counter()
     verdict = await _verify(state, verifier, proposal, observer)
     t2 = time.perf_counter()
+    state.target_rows = verdict.batch_size + verdict.queue_rows
     decision = decide_commit(len(state.committed), proposal.draft_tokens, verdict.num_accepted,
                              verdict.extra_token)
     tokens, finish = truncate_at_stop(decision.tokens, state.remaining, state.eos_token_id)

@@ -18,15 +18,16 @@ the next round for the likeliest outcomes, "all k drafts accepted, then one of t
 drafter's ``guesses`` likeliest next tokens as the extra one": it guesses those tokens b
 (a sampled row: its own draw only), then drafts k tokens after committed + drafts + b, for
 each b in one batched call (the first in the session's own cache, the others in copies of
-it, ``DraftModelSession.fork``; at most ``BRANCH_ROWS`` rows get more than one guess per
-call). The next call that arrives with exactly one of those committed lists, the same k and
-the same sampling gets its prepared block at once (``ProposeOutcome.ahead``; a copy's cache
-becomes the session's); any other call (a miss) first crops the cache back to where it
-stood before drafting ahead.
+it, ``DraftModelSession.fork``; only while a call drafts ahead for at most ``BRANCH_ROWS``
+rows: under load one guess each, so the drafter's extra work stays small). The next call
+that arrives with exactly one of those committed lists, the same k and the same sampling
+gets its prepared block at once (``ProposeOutcome.ahead``; a copy's cache becomes the
+session's); any other call (a miss) first crops the cache back to where it stood before
+drafting ahead.
 ``take_prepared()`` hands the blocks just drafted ahead to the server, which pushes each to
-its router (``Prepared``): a router whose verify outcome matches sends it to the target at
-once, and makes the same call as without the push alongside (answered from this block), so
-the drafter and its next draft-ahead stay in step.
+its router (``Prepared``): a router whose verify outcome matches (its request alone at the
+target) sends it to the target at once, and makes the same call as without the push
+alongside (answered from this block), so the drafter and its next draft-ahead stay in step.
 Both ways the cache and every draft are what drafting on request would have given: the
 prepared block is drafted after the same cache state and the same fed chunk (the last
 draft and b together) as a call would feed, with the same counter-based draws (seed,
@@ -48,7 +49,9 @@ from specserve.service.lru import LRUSessions
 
 __all__ = ["DrafterEngine", "ProposeItem", "ProposeOutcome"]
 _TOKEN_BYTES = 8
-BRANCH_ROWS = 8  # rows per draft-ahead call that get more than one guess (each: a cache copy)
+# more than one guess only while a draft-ahead call serves at most this many rows (light
+# load: the drafter has time to spare; each extra guess is a cache copy and k more steps)
+BRANCH_ROWS = 4
 
 
 @dataclass
@@ -251,11 +254,12 @@ class DrafterEngine(LRUSessions):
             DraftJob(s.model, r.committed + r.drafts, 1, r.sampling, r.seed)
             for s, r in todo], self.guesses)
         jobs, owners = [], []
-        for n, ((s, r), bs) in enumerate(zip(todo, guesses, strict=True)):
+        branch = len(todo) <= BRANCH_ROWS
+        for (s, r), bs in zip(todo, guesses, strict=True):
             s.model.cache.crop(r.base)
             s.model.tokens = s.model.tokens[:r.base]
             s.aheads = []
-            for j, b in enumerate(bs if n < BRANCH_ROWS else bs[:1]):
+            for j, b in enumerate(bs if branch else bs[:1]):
                 model = s.model if j == 0 else s.model.fork(r.base)
                 jobs.append(DraftJob(model, [*r.committed, *r.drafts, b], r.k, r.sampling,
                                      r.seed))
