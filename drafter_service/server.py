@@ -11,10 +11,10 @@ count the engine calls and the items they served (mean drafter batch = rows / ba
 With draft-ahead on (``DrafterEngine(draft_ahead=True)``), whenever the queue is empty
 after a batch the batcher drafts ahead for the replies just sent (one engine call while the
 target verifies; ``ahead_s`` counts its time, apart from ``compute_s``): a proposal that
-arrives meanwhile waits for that call, the price of a miss. Each block drafted ahead is
-pushed at once, unasked, to the stream of its session (a ``ProposeReply`` with call_id 0 and
-the committed tokens it is for): a router whose verify outcome matches sends it to the target
-without waiting for a drafter hop.
+arrives meanwhile waits for that call, the price of a miss. While it drafts ahead for one
+session alone, each block is pushed at once, unasked, to the stream of its session (a
+``ProposeReply`` with call_id 0 and the committed tokens it is for): a router whose verify
+outcome matches sends it to the target without waiting for a drafter hop.
 
 Private and bounded like the target's server: a shared ``secret`` on every stream, a
 message size limit, k at most ``MAX_K``, and sessions released by message, by their stream
@@ -152,7 +152,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             self.sessions.busy = False
             self.sessions.apply()
             self.ahead_s += time.perf_counter() - t0
-        for block in self.engine.take_prepared():  # to the router now, unasked
+        blocks = self.engine.take_prepared()
+        if len({b.session_id for b in blocks}) > 1:
+            # several sessions drafting: their routers would not send a pushed block (its row
+            # would reach the target ahead of its cohort), so they are not sent (a sampled
+            # row's block carries q, k x vocab floats); the calls are answered from them
+            return
+        for block in blocks:  # to the router now, unasked
             outbox = self._outbox.get(self.sessions.stream_of(block.session_id))
             if outbox is not None:
                 outbox.put_nowait(prepared_to_proto(block, self.replica))

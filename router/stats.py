@@ -28,7 +28,7 @@ def router_stats(router: Router) -> dict:
         "verify": _pct(t["verify_s"]), "drafter_compute": _pct(t["drafter_compute_s"]),
         "target_compute": _pct(t["target_compute_s"]),
         "orchestration_overhead": _pct(orchestration), "router_local": _pct(local),
-        "round_path": round_path(t),
+        "round_path": round_path(t, local),
         "active": router.active, "target_reconnects": router.target_reconnects,
         "drafter_handovers": router.drafter_handovers, "targets": _target_load(router),
         "journal_degraded": router.journal.degraded,
@@ -37,12 +37,11 @@ def router_stats(router: Router) -> dict:
     }
 
 
-def round_path(t: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
+def round_path(t: dict[str, np.ndarray], local: np.ndarray) -> dict[str, dict[str, float]]:
     """Where a round's orchestration overhead goes, per call: the hop to the replica, the
     replica's own time besides compute (its queue, the batching wait, decode / encode), the
     hop back; the router's own work in the round; and the gap between a request's rounds
-    (not in the round's time, but in every token's latency)."""
-    local = t["round_s"] - t["propose_s"] - t["verify_s"]
+    (not in the round's time, but in every token's latency). ``local``: round - calls."""
     path = {f"{c}_{h}": _pct(t[f"{c}_{h}_s"]) for c in ("drafter", "target")
             for h in ("send", "server", "return")}
     return {**path, "router_local": _pct(local), "between_rounds": _pct(t["gap_s"])}

@@ -4,6 +4,7 @@ rounds over journal writes: pure logic, then over a real asyncio queue."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -232,10 +233,11 @@ def test_target_batch_survives_a_bad_row_and_a_repeated_session(builtin_pair):
     async def main():
         servicer = TargetServicer(TargetEngine(builtin_pair.target), "t0")
         replies: asyncio.Queue = asyncio.Queue()
-        batch = [(msg(1, "a", [5, 6, 7]), replies, None),
-                 (msg(2, "bad", [5, 10**6]), replies, None),  # outside the vocabulary
-                 (msg(3, "a", [5, 6, 7, 8]), replies, None),  # a again, behind its first
-                 (msg(4, "b", [9, 10]), replies, None)]
+        now = time.time_ns()  # when each row was read (the replies' received_ns)
+        batch = [(msg(1, "a", [5, 6, 7]), replies, None, now),
+                 (msg(2, "bad", [5, 10**6]), replies, None, now),  # outside the vocabulary
+                 (msg(3, "a", [5, 6, 7, 8]), replies, None, now),  # a again, behind its first
+                 (msg(4, "b", [9, 10]), replies, None, now)]
         for rows in by_session(batch, lambda r: r[0].session_id):
             await servicer._serve(rows)
         out: list[pb.VerifyReply] = []

@@ -237,7 +237,6 @@ class DrafterEngine(LRUSessions):
         them. Returns the rows drafted ahead."""
         assert self.lean is not None or not self.ahead_pending
         todo = []
-        sid_of: dict[int, str] = {}
         replied, self._replied = self._replied, {}
         for sid, r in replied.items():
             sess = self._sessions.get(sid)
@@ -246,32 +245,30 @@ class DrafterEngine(LRUSessions):
                 continue  # evicted, or a later call got there first
             if len(r.committed) + 2 * r.k + 1 > self.lean.max_len:
                 continue
-            todo.append((sess, r))
-            sid_of[id(sess)] = sid
+            todo.append((sid, sess, r))
         if not todo:
             return 0
         guesses = guess_batch(self.lean, [
             DraftJob(s.model, r.committed + r.drafts, 1, r.sampling, r.seed)
-            for s, r in todo], self.guesses)
+            for _, s, r in todo], self.guesses if len(todo) <= BRANCH_ROWS else 1)
         jobs, owners = [], []
-        branch = len(todo) <= BRANCH_ROWS
-        for (s, r), bs in zip(todo, guesses, strict=True):
+        for (sid, s, r), bs in zip(todo, guesses, strict=True):
             s.model.cache.crop(r.base)
             s.model.tokens = s.model.tokens[:r.base]
             s.aheads = []
-            for j, b in enumerate(bs if branch else bs[:1]):
+            for j, b in enumerate(bs):
                 model = s.model if j == 0 else s.model.fork(r.base)
                 jobs.append(DraftJob(model, [*r.committed, *r.drafts, b], r.k, r.sampling,
                                      r.seed))
-                owners.append((s, r, None if j == 0 else model))
-        for (s, r, model), job, (drafts, q, _) in zip(owners, jobs,
-                                                      propose_batch(self.lean, jobs),
-                                                      strict=True):
+                owners.append((sid, s, r, None if j == 0 else model))
+        for (sid, s, r, model), job, (drafts, q, _) in zip(owners, jobs,
+                                                           propose_batch(self.lean, jobs),
+                                                           strict=True):
             s.aheads.append(_Block(list(job.committed), r.k, r.sampling, r.seed, drafts, q,
                                    r.base, model))
             if drafts:
                 self._to_push.append(Prepared(
-                    sid_of[id(s)], len(job.committed), list(job.committed[len(r.committed):]),
+                    sid, len(job.committed), list(job.committed[len(r.committed):]),
                     list(drafts), q))
         self.ahead["drafted"] += len(todo)
         return len(todo)
