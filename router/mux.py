@@ -7,7 +7,7 @@ every call queued at that moment (``pack``), and a replica answers a whole step 
 message (``unpack``), so a step's replies resume their rounds together. Calls are paired
 with replies by ``call_id``; a reply with call_id 0 was pushed unasked (a drafter's block
 drafted ahead, one per guessed outcome) and waits in ``pushed`` under its session, those
-for its latest committed length only, until the session's request takes them or releases
+drafted ahead after its latest round only, until the session's request takes them or releases
 the session (at most ``MAX_PUSHED`` sessions held).
 A broken stream fails its pending calls with ``StreamBroken``; the caller reconnects (to the
 same or another replica) and the receiver's cache repair makes the retry converge.
@@ -33,6 +33,11 @@ CHANNEL_OPTIONS = [
 
 
 MAX_PUSHED = 4096  # pushed replies held at most (one per session; the oldest go first)
+
+
+def _base(reply: Any) -> int:
+    """The committed length a pushed block was drafted ahead from (its tail follows it)."""
+    return reply.committed_len - len(reply.tail)
 
 
 class StreamBroken(ConnectionError):
@@ -88,8 +93,8 @@ class StreamMux:
         sid = getattr(reply, "session_id", "")
         if sid:
             held = self.pushed.pop(sid, [])
-            if held and held[0].committed_len != reply.committed_len:
-                held = []  # for an earlier round: stale
+            if held and _base(held[0]) != _base(reply):
+                held = []  # drafted ahead after an earlier round: stale
             self.pushed[sid] = [*held, reply]
             while len(self.pushed) > MAX_PUSHED:
                 del self.pushed[next(iter(self.pushed))]

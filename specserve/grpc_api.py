@@ -42,7 +42,7 @@ SPEC_TO_PROTO: dict[str, int] = {
 
 _UINT_STATS = ("prompt_tokens", "output_tokens", "rounds", "drafts", "draft_tokens",
                "accepted_tokens", "k", "seed", "drafted_ahead",
-               "drafted_ahead_pushed")
+               "drafted_ahead_pushed", "drafted_ahead_after_rejection")
 _FLOAT_STATS = ("acceptance_rate", "mean_acceptance_length", "tokens_per_round")
 _STR_STATS = ("spec", "speculation_disabled_reason", "target_revision", "drafter_revision")
 _MAP_STATS = ("k_histogram", "proposer_mix", "decision_reasons")

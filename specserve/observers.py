@@ -105,6 +105,7 @@ class TracingObserver(Observer):
                 "specserve.round": o.round_no, "specserve.k": o.k if o.drafted else 0,
                 "specserve.drafted": o.drafted, "specserve.accepted": o.decision.num_accepted,
                 "specserve.drafted_ahead": bool(o.proposal.ahead and o.drafted),
+                "specserve.drafted_ahead_after": o.ahead_after,
                 "specserve.extra_token": ("bonus" if o.drafted and o.decision.bonus
                                           else "recovered" if o.drafted else "plain"),
                 "specserve.committed_len": len(state.committed),
@@ -176,8 +177,8 @@ class MetricsObserver(Observer):
         self.m.round(spec, o.round_s, o.propose_s, o.verify_s, d_compute,
                      o.verdict.call.compute_s, o.drafted, len(o.decision.tokens))
         self.m.decision(o.plan.reason, o.plan.proposer)
-        if o.proposal.ahead and o.drafted:
-            self.m.drafted_ahead_round(spec)
+        if o.ahead_after:
+            self.m.drafted_ahead_round(spec, o.ahead_after)
         if ttft_s is not None:
             self.m.first_token(spec, ttft_s)
         if itl_s is not None:

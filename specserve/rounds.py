@@ -75,6 +75,7 @@ class RequestStats:
     decision_reasons: dict[str, int] = field(default_factory=dict)  # Plan.reason -> rounds
     drafted_ahead: int = 0  # rounds whose drafts were prepared ahead (draft-ahead hits)
     drafted_ahead_pushed: int = 0  # of those, pushed before the round: no drafter call
+    drafted_ahead_after_rejection: int = 0  # of those, prepared for a rejection's outcome
 
     def record_plan(self, plan: Plan) -> None:
         def bump(d: dict, key: int | str) -> None:
@@ -114,6 +115,7 @@ class RequestState:
     finish: str | None = None
     round_no: int = 0
     target_rows: int = 0  # rows of the last verify's forward plus the target's queue then
+    rejected: bool = False  # the last round drafted and its verify rejected a draft
     t0: float = field(default_factory=time.perf_counter)
     last_commit_t: float = 0.0
     repairs: dict[str, RepairTally] = field(
@@ -201,6 +203,9 @@ class RoundOutcome:
     logprobs: list[TokenLogprob] | None = None  # one per committed token, when asked
     plan: Plan = NO_SPECULATION  # the policy's choice this round
     gap_s: float = 0.0  # since the request's previous round ended (0: its first round)
+    # drafts prepared ahead (a draft-ahead hit): for which outcome of the round before,
+    # "all_accepted" (then a guessed extra token) or "rejection" (a guessed correction)
+    ahead_after: str = ""
 
     @property
     def drafted(self) -> int:
@@ -354,6 +359,9 @@ async def speculative_round(state: RequestState, proposer: Proposer | None,
                              verdict.extra_token)
     tokens, finish = truncate_at_stop(decision.tokens, state.remaining, state.eos_token_id)
     state.commit(tokens)
+    ahead_after = ("" if not (proposal.ahead and proposal.draft_tokens)
+                   else "rejection" if state.rejected else "all_accepted")
+    state.rejected = bool(proposal.draft_tokens) and not decision.bonus
     state.stats.acceptance.observe(len(proposal.draft_tokens), decision.num_accepted,
                                    len(decision.tokens), decision.bonus)
     repairs = [e for c, o in (("drafter", proposal), ("target", verdict))
@@ -362,7 +370,7 @@ async def speculative_round(state: RequestState, proposer: Proposer | None,
                            t1 - t0, t2 - t1, time.perf_counter() - t0, repairs,
                            logprobs=(verdict.logprobs[: len(tokens)]
                                      if verdict.logprobs is not None else None), plan=plan,
-                           gap_s=gap)
+                           gap_s=gap, ahead_after=ahead_after)
     _account_time(state, outcome)
     policy.observe(state, outcome)
     observer.round_end(state, outcome)
@@ -378,6 +386,7 @@ def _account_time(state: RequestState, o: RoundOutcome) -> None:
     st.drafter_compute_s += o.proposal.call.compute_s if o.drafted else 0.0
     st.drafted_ahead += int(o.proposal.ahead and o.drafted > 0)
     st.drafted_ahead_pushed += int(o.proposal.pushed and o.drafted > 0)
+    st.drafted_ahead_after_rejection += o.ahead_after == "rejection"
     st.target_compute_s += o.verdict.call.compute_s
     for c, o_ in (("drafter", o.proposal), ("target", o.verdict)):
         if o_.call.replica:

@@ -1,9 +1,11 @@
 """Draft-ahead (issue 16): while the target verifies, the drafter prepares the next round for
-"all k accepted, then the drafter's own next token". A call whose committed tokens are that
-outcome gets the prepared block; any other call is served as if nothing had been drafted
-ahead. Either way every reply (drafts, q bitwise, repair of the cache) equals a drafter
-without draft-ahead given the same calls: greedy and seeded sampled rows, hits and misses
-(a rejection; all accepted but another extra token; k changed; prompt lookup between)."""
+"all k accepted, then the drafter's own next token" (with two guesses: its runner-up too, and
+each rejection with the runner-up at the rejected draft). A call whose committed tokens are
+one of those outcomes gets the prepared block; any other call is served as if nothing had
+been drafted ahead. Either way every reply (drafts, q bitwise, repair of the cache) equals a
+drafter without draft-ahead given the same calls: greedy and seeded sampled rows, hits and
+misses (a rejection with another correction; all accepted but another extra token; k
+changed; prompt lookup between)."""
 
 from __future__ import annotations
 
@@ -27,24 +29,27 @@ def prompts(builtin_pair, heldout):
 
 # each round: (accepted drafts, the extra token: "guess" = the drafter's first guess, the one
 # drafted ahead for; "guess2": its second (drafted ahead for with 2 guesses, a greedy row);
-# "other": none of them), k, mode
+# "runner": after a rejection, the drafter's runner-up there (drafted ahead for with 2
+# guesses, a greedy row); "other": none of them), k, mode
 SCRIPT = [(4, "guess", 4, "draft"), (4, "guess2", 4, "draft"), (1, "other", 4, "draft"),
-          (4, "other", 4, "draft"), (4, "guess", 4, "draft"), (0, "other", 4, "draft"),
-          (4, "guess2", 2, "draft"), (2, "guess", 2, "draft"), (2, "guess", 2, "ngram"),
-          (0, "other", 2, "draft"), (2, "guess2", 2, "draft"), (2, "guess", 2, "draft")]
+          (4, "other", 4, "draft"), (4, "guess", 4, "draft"), (0, "runner", 4, "draft"),
+          (4, "guess2", 4, "draft"), (1, "runner", 2, "draft"), (2, "guess", 2, "draft"),
+          (2, "guess", 2, "ngram"), (0, "other", 2, "draft"), (2, "guess2", 2, "draft")]
 
 
 def _item(sid, committed, start, k, mode, sampling):
     return ProposeItem(sid, len(committed), start, committed[start:], k, mode, sampling)
 
 
-def _extra(aheads, extra: str, vocab: int) -> int:
-    guesses = [a.committed[-1] for a in aheads]
-    if extra == "guess" and guesses:
+def _extra(aheads, prefix: list[int], rejected: int | None, extra: str, vocab: int) -> int:
+    """The token committed after ``prefix`` (committed + the accepted drafts), in place of
+    the draft ``rejected`` (None: all accepted, the extra token)."""
+    guesses = [a.committed[-1] for a in aheads if a.committed[:-1] == prefix]
+    if extra in ("guess", "runner") and guesses:
         return guesses[0]
     if extra == "guess2" and len(guesses) > 1:
         return guesses[1]
-    return next(t for t in range(vocab) if t not in guesses)
+    return next(t for t in range(vocab) if t not in guesses and t != rejected)
 
 
 @pytest.mark.parametrize("guesses", [1, 2])
@@ -72,11 +77,16 @@ def test_draft_ahead_replies_equal_drafting_on_request(lean, prompts, sampling, 
         for (sid, c), o in zip(committed.items(), want, strict=True):
             sent[sid] = len(c)
             aheads = on._sessions[sid].aheads
+            branch = guesses > 1 and sampling.greedy  # rejections prepared too
             if mode == "draft":  # (after a lookup round the last ahead is still there)
-                assert len(aheads) == (guesses if sampling.greedy else 1)
+                assert len(aheads) == (guesses + len(o.draft_tokens) if branch else 1)
+                assert sum(a.outcome == "reject" for a in aheads) == branch * len(o.draft_tokens)
             drafts = o.draft_tokens[:accepted]
             whole = len(drafts) == len(o.draft_tokens)
-            c += [*drafts, _extra(aheads, extra if whole else "other", vocab)]
+            rejected = None if whole else o.draft_tokens[accepted]
+            if whole == (extra == "runner"):
+                extra = "other"  # (a "runner" where all were accepted, a guess where not)
+            c += [*drafts, _extra(aheads, [*c, *drafts], rejected, extra, vocab)]
         for sid in committed:  # the cache a miss leaves is what drafting on request left
             a, b = on._sessions[sid].model, off._sessions[sid].model
             assert a.tokens[:len(b.tokens)] == b.tokens
@@ -85,6 +95,7 @@ def test_draft_ahead_replies_equal_drafting_on_request(lean, prompts, sampling, 
     assert stats["ahead_drafted"] == 11 * len(committed)
     second = guesses > 1 and sampling.greedy  # the second guesses hit only then
     assert (stats["ahead_hits_other_guess"] > 0) == second
+    assert (stats["ahead_hits_rejection"] > 0) == second  # and the rejections' runners-up
     assert off.stats()["ahead_drafted"] == 0
 
 
@@ -190,4 +201,7 @@ def test_the_router_sends_pushed_blocks_without_a_drafter_call(builtin_pair, gen
     used = sum(st["drafted_ahead_pushed"] for _, st in on)
     assert pushed >= used > 0
     assert all(st["drafted_ahead_pushed"] <= st["drafted_ahead"] for _, st in on)
+    # with two guesses a greedy row is also prepared for each rejection (the runner-up)
+    assert 0 < on[0][1]["drafted_ahead_after_rejection"] < on[0][1]["drafted_ahead"]
+    assert on[1][1]["drafted_ahead_after_rejection"] == 0  # sampled: all-accepted only
     assert all(st["drafted_ahead"] == 0 for _, st in off)

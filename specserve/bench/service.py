@@ -123,6 +123,8 @@ def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_re
         "drafts": sum(r["stats"].get("drafts", 0) for r in done),
         "drafted_ahead": sum(r["stats"].get("drafted_ahead", 0) for r in done),
         "drafted_ahead_pushed": sum(r["stats"].get("drafted_ahead_pushed", 0) for r in done),
+        "drafted_ahead_after_rejection": sum(r["stats"].get("drafted_ahead_after_rejection", 0)
+                                             for r in done),
         "latencies_ms": [round(r["latency"] * 1000, 3) for r in done],
         "outputs": [r["tokens"] if r is not None else None for r in results],
     }
@@ -177,7 +179,7 @@ def _replica_side(service: Any, run: Callable[[], dict]) -> dict:
         "drafter_compute_s": round(d1.get("compute_s", 0.0) - d0.get("compute_s", 0.0), 3),
         "drafter_ahead_s": round(d1.get("ahead_s", 0.0) - d0.get("ahead_s", 0.0), 3),
         **{f"ahead_{k}": d1.get(f"ahead_{k}", 0) - d0.get(f"ahead_{k}", 0)
-           for k in ("drafted", "hits", "misses")},
+           for k in ("drafted", "hits", "hits_other_guess", "hits_rejection", "misses")},
         "cpu_cores": {k: round((c1[k] - c0.get(k, 0.0)) / wall, 3) for k in sorted(c1)
                       if c1[k] - c0.get(k, 0.0) > 0.005 * wall},
     }

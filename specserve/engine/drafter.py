@@ -68,6 +68,9 @@ class _Block:
     q: object = None  # torch.Tensor [k, V] | None (greedy)
     base: int = 0
     model: DraftModelSession | None = None  # a guess drafted in a copy (None: the session's)
+    runners_up: list[int] = field(default_factory=list)  # per draft (greedy, when branching)
+    outcome: str = "accept"  # drafted ahead for: "accept" (all k, the first guess after),
+    # "guess" (all k, another guess after), "reject" (a rejection, the runner-up there)
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,8 @@ class DrafterEngine(LRUSessions):
         self.guesses = max(1, guesses)
         # rows drafted ahead; calls that got a block (of them: for a guess other than the
         # first) and calls that did not
-        self.ahead = {"drafted": 0, "hits": 0, "hits_other_guess": 0, "misses": 0}
+        self.ahead = {"drafted": 0, "hits": 0, "hits_other_guess": 0, "hits_rejection": 0,
+                      "misses": 0}
         self._replied: dict[str, _Block] = {}  # session -> its last reply, to draft ahead from
         self._to_push: list[Prepared] = []  # drafted ahead, not yet taken (take_prepared)
         self.lean = lean
@@ -182,13 +186,14 @@ class DrafterEngine(LRUSessions):
                 slots.append(i)
         if jobs:
             assert self.lean is not None
+            self._ask_runners_up(jobs, len(jobs))
             for i, job, (drafts, q, record) in zip(slots, jobs, propose_batch(self.lean, jobs),
                                                    strict=True):
                 outcomes[i] = ProposeOutcome(drafts, q, repair=record)
                 if self.draft_ahead_on and drafts:
                     self._replied[items[i].session_id] = _Block(
                         list(job.committed), job.k, job.sampling, job.seed, drafts, q,
-                        len(job.session.tokens))
+                        len(job.session.tokens), runners_up=job.runners_up or [])
         self._evict(served)
         return outcomes  # type: ignore[return-value]  # every slot is filled
 
@@ -205,18 +210,20 @@ class DrafterEngine(LRUSessions):
         self._replied.pop(sid, None)
         if not aheads or sess.model is None:
             return None
-        for i, ahead in enumerate(aheads):
+        for ahead in aheads:
             if (ahead.committed == sess.committed and ahead.k == it.k
                     and ahead.sampling == it.sampling
                     and ahead.seed == (it.sampling.seed or 0)):
                 self.ahead["hits"] += 1
-                self.ahead["hits_other_guess"] += i > 0
+                self.ahead["hits_other_guess"] += ahead.outcome == "guess"
+                self.ahead["hits_rejection"] += ahead.outcome == "reject"
                 if ahead.model is not None:
                     sess.model = ahead.model
                 model = sess.model
                 record = RepairRecord(len(model.tokens), len(model.tokens), 0)
                 if self.draft_ahead_on:  # the next ahead starts from this block
-                    self._replied[sid] = replace(ahead, base=len(model.tokens), model=None)
+                    self._replied[sid] = replace(ahead, base=len(model.tokens), model=None,
+                                                 outcome="accept")
                 return ProposeOutcome(list(ahead.drafts), ahead.q, repair=record, ahead=True)
         self.ahead["misses"] += 1
         model = sess.model
@@ -229,12 +236,36 @@ class DrafterEngine(LRUSessions):
     def ahead_pending(self) -> bool:
         return bool(self._replied)
 
+    def _branching(self, rows: int) -> bool:
+        """Whether a draft-ahead over ``rows`` rows prepares more than one outcome per
+        greedy row (light load: the drafter has time to spare)."""
+        return self.draft_ahead_on and self.guesses > 1 and rows <= BRANCH_ROWS
+
+    def _ask_runners_up(self, jobs: list[DraftJob], rows: int) -> None:
+        """Have ``propose_batch`` keep each greedy job's runner-up per draft (the guesses for
+        a rejection) when the draft-ahead after these ``rows`` rows will branch."""
+        if self._branching(rows):
+            for job in jobs:
+                if job.sampling.greedy:
+                    job.runners_up = []
+
+    def _outcomes(self, r: _Block, bs: list[int], branch: bool) -> list[tuple[list[int], str]]:
+        """The committed lists drafted ahead for after reply ``r``: all its drafts accepted
+        then each guess b; when branching, also each rejection, the runner-up in its place."""
+        out = [([*r.committed, *r.drafts, b], "accept" if n == 0 else "guess")
+               for n, b in enumerate(bs)]
+        if branch:
+            out += [([*r.committed, *r.drafts[:j], t], "reject")
+                    for j, t in enumerate(r.runners_up[:len(r.drafts)])]
+        return out
+
     def draft_ahead(self) -> int:
         """Draft ahead for every session whose last draft-model reply is out (see the
         module's doc): one batched step guesses each row's extra token b after its drafts,
         then each cache is cropped back to where the reply left it and k steps draft after
         committed + drafts + b, the last draft and b fed together as a call would feed
-        them. Returns the rows drafted ahead."""
+        them (and, when branching, after each rejection's runner-up, in a copy of the cache
+        cropped to before the rejected draft). Returns the rows drafted ahead."""
         assert self.lean is not None or not self.ahead_pending
         todo = []
         replied, self._replied = self._replied, {}
@@ -248,24 +279,24 @@ class DrafterEngine(LRUSessions):
             todo.append((sid, sess, r))
         if not todo:
             return 0
+        branch = self._branching(len(todo))
         guesses = guess_batch(self.lean, [
             DraftJob(s.model, r.committed + r.drafts, 1, r.sampling, r.seed)
-            for _, s, r in todo], self.guesses if len(todo) <= BRANCH_ROWS else 1)
+            for _, s, r in todo], self.guesses if branch else 1)
         jobs, owners = [], []
         for (sid, s, r), bs in zip(todo, guesses, strict=True):
             s.model.cache.crop(r.base)
             s.model.tokens = s.model.tokens[:r.base]
             s.aheads = []
-            for j, b in enumerate(bs):
-                model = s.model if j == 0 else s.model.fork(r.base)
-                jobs.append(DraftJob(model, [*r.committed, *r.drafts, b], r.k, r.sampling,
-                                     r.seed))
-                owners.append((sid, s, r, None if j == 0 else model))
-        for (sid, s, r, model), job, (drafts, q, _) in zip(owners, jobs,
-                                                           propose_batch(self.lean, jobs),
-                                                           strict=True):
+            for n, (committed, outcome) in enumerate(self._outcomes(r, bs, branch)):
+                model = s.model if n == 0 else s.model.fork(min(r.base, len(committed) - 1))
+                jobs.append(DraftJob(model, committed, r.k, r.sampling, r.seed))
+                owners.append((sid, s, r, None if n == 0 else model, outcome))
+        self._ask_runners_up(jobs, len(todo))
+        for (sid, s, r, model, outcome), job, (drafts, q, _) in zip(
+                owners, jobs, propose_batch(self.lean, jobs), strict=True):
             s.aheads.append(_Block(list(job.committed), r.k, r.sampling, r.seed, drafts, q,
-                                   r.base, model))
+                                   r.base, model, job.runners_up or [], outcome))
             if drafts:
                 self._to_push.append(Prepared(
                     sid, len(job.committed), list(job.committed[len(r.committed):]),

@@ -75,6 +75,9 @@ class DraftJob:
     k: int
     sampling: SamplingParams
     seed: int
+    # a list: a greedy row's runner-up at each draft position (the drafter's likeliest token
+    # other than the draft) is appended to it, the guess for a rejection there (draft-ahead)
+    runners_up: list[int] | None = None
 
 
 def propose_batch(
@@ -123,6 +126,19 @@ def guess_batch(lean: LeanLlama, jobs: Sequence[DraftJob], m: int) -> list[list[
     return drafts
 
 
+def _runners_up(jobs: Sequence[DraftJob], rows: list[int], greedy: list[int],
+                logits: torch.Tensor, best: torch.Tensor) -> None:
+    """Append each greedy row's runner-up (its likeliest token but the argmax ``best``) to
+    its job's ``runners_up``, for the rows that ask for them."""
+    want = [(n, r) for n, r in enumerate(greedy) if jobs[rows[r]].runners_up is not None]
+    if not want:
+        return
+    picked = logits[[r for _, r in want]].clone()
+    picked[torch.arange(len(want)), best[[n for n, _ in want]]] = float("-inf")
+    for (_, r), t in zip(want, picked.argmax(-1).tolist(), strict=True):
+        jobs[rows[r]].runners_up.append(int(t))  # type: ignore[union-attr]
+
+
 def _pick(jobs: Sequence[DraftJob], rows: list[int], logits: torch.Tensor, ks: list[int],
           drafts: list[list[int]], qs: list[list[torch.Tensor]]) -> None:
     """Each row's next draft: greedy rows by one argmax, sampled rows each with its own
@@ -130,8 +146,10 @@ def _pick(jobs: Sequence[DraftJob], rows: list[int], logits: torch.Tensor, ks: l
     want = [r for r, i in enumerate(rows) if len(drafts[i]) < ks[i]]
     greedy = [r for r in want if jobs[rows[r]].sampling.greedy]
     if greedy:
-        for r, d in zip(greedy, logits[greedy].argmax(-1).tolist(), strict=True):
+        best = logits[greedy].argmax(-1)
+        for r, d in zip(greedy, best.tolist(), strict=True):
             drafts[rows[r]].append(int(d))
+        _runners_up(jobs, rows, greedy, logits, best)
     for r in want:
         i = rows[r]
         job = jobs[i]

@@ -109,7 +109,8 @@ class RouterMetrics:
             "specserve_drafted_ahead_rounds",
             "Drafted rounds whose drafts the drafter had prepared ahead while the round before "
             "verified (drafter.draft_ahead hits; the hit rate is this over "
-            "specserve_spec_decode_num_drafts).", ("spec",))
+            "specserve_spec_decode_num_drafts), by the outcome of that round they were "
+            "prepared for (after: all_accepted, rejection).", ("spec", "after"))
         self.prior_errors = Counter(
             "specserve_spec_prior_errors",
             "Reads or writes of the fleet's acceptance priors (Redis) that failed; spec=auto "
@@ -137,8 +138,8 @@ class RouterMetrics:
     def decision(self, reason: str, proposer: str | None) -> None:
         self.decisions.inc(1, self._t(reason=reason, proposer=proposer or "none"))
 
-    def drafted_ahead_round(self, spec: str) -> None:
-        self.drafted_ahead.inc(1, self._t(spec=spec))
+    def drafted_ahead_round(self, spec: str, after: str) -> None:
+        self.drafted_ahead.inc(1, self._t(spec=spec, after=after))
 
     def prior_error(self, op: str) -> None:
         self.prior_errors.inc(1, self._t(op=op))

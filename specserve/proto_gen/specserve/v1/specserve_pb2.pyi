@@ -91,7 +91,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("prompt_tokens", "output_tokens", "rounds", "drafts", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length", "tokens_per_round", "ttft_ms", "total_ms", "spec", "k", "speculation_disabled_reason", "target_revision", "drafter_revision", "seed", "accepted_per_position", "round_ms", "propose_ms", "verify_ms", "drafter_compute_ms", "target_compute_ms", "k_histogram", "proposer_mix", "decision_reasons", "drafted_ahead", "drafted_ahead_pushed")
+    __slots__ = ("prompt_tokens", "output_tokens", "rounds", "drafts", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length", "tokens_per_round", "ttft_ms", "total_ms", "spec", "k", "speculation_disabled_reason", "target_revision", "drafter_revision", "seed", "accepted_per_position", "round_ms", "propose_ms", "verify_ms", "drafter_compute_ms", "target_compute_ms", "k_histogram", "proposer_mix", "decision_reasons", "drafted_ahead", "drafted_ahead_pushed", "drafted_ahead_after_rejection")
     class KHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class GenerateStats(_message.Message):
     DECISION_REASONS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_AHEAD_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_AHEAD_AFTER_REJECTION_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     output_tokens: int
     rounds: int
@@ -169,4 +170,5 @@ class GenerateStats(_message.Message):
     decision_reasons: _containers.ScalarMap[str, int]
     drafted_ahead: int
     drafted_ahead_pushed: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., spec: _Optional[str] = ..., k: _Optional[int] = ..., speculation_disabled_reason: _Optional[str] = ..., target_revision: _Optional[str] = ..., drafter_revision: _Optional[str] = ..., seed: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., round_ms: _Optional[float] = ..., propose_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., drafter_compute_ms: _Optional[float] = ..., target_compute_ms: _Optional[float] = ..., k_histogram: _Optional[_Mapping[int, int]] = ..., proposer_mix: _Optional[_Mapping[str, int]] = ..., decision_reasons: _Optional[_Mapping[str, int]] = ..., drafted_ahead: _Optional[int] = ..., drafted_ahead_pushed: _Optional[int] = ...) -> None: ...
+    drafted_ahead_after_rejection: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., spec: _Optional[str] = ..., k: _Optional[int] = ..., speculation_disabled_reason: _Optional[str] = ..., target_revision: _Optional[str] = ..., drafter_revision: _Optional[str] = ..., seed: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., round_ms: _Optional[float] = ..., propose_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., drafter_compute_ms: _Optional[float] = ..., target_compute_ms: _Optional[float] = ..., k_histogram: _Optional[_Mapping[int, int]] = ..., proposer_mix: _Optional[_Mapping[str, int]] = ..., decision_reasons: _Optional[_Mapping[str, int]] = ..., drafted_ahead: _Optional[int] = ..., drafted_ahead_pushed: _Optional[int] = ..., drafted_ahead_after_rejection: _Optional[int] = ...) -> None: ...
