@@ -166,8 +166,10 @@ class DrafterOptions(BaseModel):
                               "next tokens'; a call that matches gets it at once (outputs "
                               "unchanged)")
     draft_ahead_guesses: int = Field(2, ge=1, le=4, description="draft-ahead: the next tokens "
-                                     "guessed per greedy row (a block drafted for each; a "
-                                     "sampled row: its own draw only)")
+                                     "guessed per greedy row after all drafts accepted (a "
+                                     "block drafted for each; from 2 also one per rejection, "
+                                     "the runner-up at the rejected draft; a sampled row: its "
+                                     "own draw only)")
 
     def threads(self) -> int:
         return _threads(self.torch_threads, self.scaling)

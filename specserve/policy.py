@@ -71,7 +71,10 @@ PRIOR_WEIGHT = 4.0  # the prior counts as this many observations per position
 MIN_STEP = 0.1  # the moving estimate never weighs a new observation less than this
 POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its requests' rounds)
 DRAFT_PROFILE_WEIGHT = 4  # observations per point of a drafter's start-up profile
-HYSTERESIS = 0.03  # a batch's shared k changes only for a better score by this much
+HYSTERESIS = 0.03  # a batch's shared plan changes only for a better score by this much
+PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that find a match
+LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
+# pooled match rate; a search over a long context costs ~0.2 ms of router time)
 
 
 class Acceptance:
@@ -194,8 +197,14 @@ class CostModel:
     # every request's rounds together, per proposer: what a batch's rows decide on together
     pooled: dict[str, Acceptance] = field(default_factory=lambda: {
         p: Acceptance([PRIOR_ACCEPTANCE[p]] * MAX_K, POOLED_STEP) for p in PROPOSERS})
+    # the share of prompt lookups that found a match, over the rounds that searched without
+    # knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th and its lookup plans)
+    lookup_match: float = PRIOR_MATCH
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
-    batch_k: int = 0  # the k the rows of a batch share (``GoodputPolicy.in_batch``)
+    batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
+
+    def saw_lookup(self, matched: bool) -> None:
+        self.lookup_match = _ema(self.lookup_match, float(matched), 0.05)
 
     def verify_s(self, rows: float, tokens: float) -> float:
         return self.verify.predict((rows, tokens - rows), self.default_verify_s)
@@ -271,24 +280,34 @@ class GoodputPolicy:
             for p in PROPOSERS}
         self.counts = {p: [[0] * k_max, [0] * k_max] for p in PROPOSERS}  # tried, accepted
         self.idle = 0  # rounds alone in a row at k = 0 because speculating did not pay
+        self.batch_rounds = 0  # rounds in a batch (every LOOKUP_EVERY-th searches)
+        self.blind_lookup = False  # this round's plan is the batch's prompt lookup
 
     def candidates(self, state: RequestState, k_cap: int) -> list[tuple[str, int]]:
         out = []
         if self.has_drafter:
             out += [("draft", k) for k in range(1, k_cap + 1)]
         match = propose_ngram(state.committed, k_cap, *self.ngram_n)
+        self.cost.saw_lookup(bool(match))
         out += [("ngram", k) for k in range(1, len(match) + 1)]
         return out
 
     def score(self, proposer: str | None, k: int, others: int,
-              acceptance: dict[str, Acceptance] | None = None) -> tuple[float, Plan]:
+              acceptance: dict[str, Acceptance] | None = None,
+              match: float = 1.0) -> tuple[float, Plan]:
         """The goodput (tokens / s) of a batch of this row and ``others`` in which every
         row takes this plan: its expected committed tokens (by ``acceptance``, default
-        this request's) and the round's time (one drafter step for the rows drafting
-        together, one target forward)."""
+        this request's; a prompt lookup that finds a match with probability ``match``) and
+        the round's time (one drafter step for the rows drafting together, one target
+        forward)."""
         c, rows = self.cost, others + 1
-        e = (acceptance or self.acceptance)[proposer].expected(k) if proposer else 1.0
-        t = c.overhead_s + c.propose_s(proposer, k, rows) + c.verify_s(rows, rows * (1 + k))
+        if proposer is None:
+            e, drafts = 1.0, 0.0
+        else:
+            m = match if proposer == "ngram" else 1.0
+            e = 1.0 + m * ((acceptance or self.acceptance)[proposer].expected(k) - 1.0)
+            drafts = m * k
+        t = c.overhead_s + c.propose_s(proposer, k, rows) + c.verify_s(rows, rows * (1 + drafts))
         return rows * e / t, Plan(proposer, k, "goodput", e, t)
 
     def best(self, cands: list[tuple[str, int]], others: int) -> Plan:
@@ -309,7 +328,11 @@ class GoodputPolicy:
             return Plan(None, 0, "budget", 1.0)
         if not state.sampling.greedy:
             return self.reproducible(state, k_cap)
+        self.blind_lookup = False
         if self.cost.rows > 1:
+            self.batch_rounds += 1
+            if self.batch_rounds % LOOKUP_EVERY == 0:
+                self.cost.saw_lookup(bool(propose_ngram(state.committed, 1, *self.ngram_n)))
             return self.in_batch(k_cap)
         cands = self.candidates(state, k_cap)
         if not cands:
@@ -330,25 +353,28 @@ class GoodputPolicy:
         its whole cohort and pads attention to the longest row, so a row that skipped the
         proposer while the others drafted would arrive early and split the cohort (measured:
         a third fewer rows per forward at concurrency 16), and one with more drafts than
-        the others would lengthen every row. So the batch's k (its proposer: the draft
-        model, or prompt lookup without one) is decided on what all its rows see alike,
-        the router's pooled acceptance, the shared costs and the batch's rows, and kept
-        until another k scores ``HYSTERESIS`` better."""
-        c, proposer = self.cost, "draft" if self.has_drafter else "ngram"
+        the others would lengthen every row. So the batch's proposer and k are decided on
+        what all its rows see alike, the router's pooled acceptance and lookup match rate,
+        the shared costs and the batch's rows, and kept until another plan scores
+        ``HYSTERESIS`` better. Prompt lookup is a candidate too: every row asks (a drafter
+        call, so the rows stay in step) and those with a match propose."""
+        c = self.cost
         others = c.rows - 1
-        scores = [self.score(proposer if k else None, k, others, c.pooled)
-                  for k in range(self.k_max + 1)]
-        best = max(range(len(scores)), key=lambda k: scores[k][0])
-        current = min(c.batch_k, self.k_max)
+        plans = [(None, 0), *((p, k) for p in ("draft", "ngram")[not self.has_drafter:]
+                              for k in range(1, self.k_max + 1))]
+        scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}
+        best = max(plans, key=lambda plan: scores[plan][0])
+        current = c.batch_plan if c.batch_plan in scores else (None, 0)
         if scores[best][0] > scores[current][0] * (1 + HYSTERESIS):
-            c.batch_k = current = best
-        k = min(current, k_cap)
+            c.batch_plan = current = best
+        proposer, k = current[0], min(current[1], k_cap)
         if k > 0:
-            return scores[k][1]
-        alone = max((self.score(proposer, j, 0, c.pooled) for j in range(1, self.k_max + 1)),
+            self.blind_lookup = proposer == "ngram"
+            return scores[(proposer, k)][1]
+        alone = max((self.score(p, j, 0, c.pooled, c.lookup_match) for p, j in plans[1:]),
                     key=lambda s: s[0])  # would it pay without the others?
         reason = "saturated" if alone[0] > self.score(None, 0, 0)[0] else "low_acceptance"
-        return replace(scores[0][1], reason=reason)
+        return replace(scores[(None, 0)][1], reason=reason)
 
     def reproducible(self, state: RequestState, k_cap: int) -> Plan:
         """A sampled request's plan: a function of its committed tokens alone, so that its
@@ -365,6 +391,8 @@ class GoodputPolicy:
     def observe(self, state: RequestState, o: RoundOutcome) -> None:
         self.cost.observe(o)
         p = o.plan.proposer
+        if self.blind_lookup and p == "ngram":  # planned without knowing: an honest sample
+            self.cost.saw_lookup(o.drafted > 0)
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)
             self.cost.pooled[p].observe(o.drafted, o.decision.num_accepted)

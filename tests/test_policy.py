@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import replace
 
 import pytest
 from redis_server import RedisServer
@@ -162,10 +163,46 @@ def test_a_batch_that_does_not_draft_yet_is_not_stuck_there():
     policy.observe(state(), outcome(Plan(None, 0, "off"), 0, batch_size=8))  # all plain
     plan = policy.choose(state())
     assert plan.proposer == "draft" and plan.k > 0 and plan.reason == "goodput"
-    # with a drafter step as dear as the target's forward, no: the batch stays plain
-    dear = GoodputPolicy(seeded(0.03), K, has_drafter=True)
-    dear.observe(state(), outcome(Plan(None, 0, "off"), 0, batch_size=8))
-    assert dear.choose(state()).k == 0
+    # with a drafter step as dear as the target's forward, no: the batch does not draft,
+    # and stays plain where the prompt lookup is known not to match
+    for match in (0.5, 0.0):  # the prior; a lookup that never matched
+        dear = GoodputPolicy(seeded(0.03), K, has_drafter=True)
+        dear.cost.lookup_match = match
+        dear.observe(state(), outcome(Plan(None, 0, "off"), 0, batch_size=8))
+        plan = dear.choose(state())
+        assert plan.proposer != "draft" and (plan.k == 0) == (match == 0)
+
+
+def test_a_batch_shares_prompt_lookup_where_it_pays():
+    """In a batch the shared plan may be prompt lookup (every row asks, the rows with a
+    match propose): chosen by the pooled lookup acceptance and match rate, which the rows
+    measure without knowing the answer (a row alone every round; in a batch every
+    LOOKUP_EVERY-th round, and every lookup round the batch planned)."""
+    cost = seeded(0.006)
+    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(2)]
+    sts = [state(REPEATS * 3), state(NO_MATCH)]
+    for _ in range(40):  # the batch's lookups match and are accepted, the drafts are not
+        for policy, st in zip(rows, sts, strict=True):
+            policy.observe(st, outcome(Plan("ngram", 4, "goodput"), 4, batch_size=8))
+            policy.observe(st, outcome(Plan("draft", 4, "goodput"), 0, batch_size=8))
+    plans = [policy.choose(st) for policy, st in zip(rows, sts, strict=True)]
+    assert plans[0] == plans[1] and plans[0].proposer == "ngram" and plans[0].k > 0
+    assert all(p.blind_lookup for p in rows)
+    before = cost.lookup_match
+    for _ in range(60):  # the lookups come back empty: the rate falls, the batch leaves them
+        for policy, st in zip(rows, sts, strict=True):
+            plan = policy.choose(st)
+            policy.observe(st, outcome(plan, 0, batch_size=8) if plan.proposer != "ngram"
+                           else _empty(plan))
+    assert cost.lookup_match < before / 2
+    assert all(policy.choose(st).proposer != "ngram" for policy, st in zip(rows, sts,
+                                                                          strict=True))
+
+
+def _empty(plan: Plan) -> RoundOutcome:
+    """A prompt-lookup round that found no match: no drafts, the plain token."""
+    o = outcome(Plan(plan.proposer, 0, plan.reason), 0, batch_size=8)
+    return replace(o, plan=plan)
 
 
 def test_rows_of_a_batch_keep_in_step():
