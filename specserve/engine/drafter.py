@@ -94,7 +94,9 @@ class _Session:
 
     @property
     def nbytes(self) -> int:
-        return (self.model.nbytes if self.model is not None else 0) + _TOKEN_BYTES * len(
+        """Its cache, the copies its outcomes drafted ahead were drafted in, its tokens."""
+        models = [self.model, *(a.model for a in self.aheads)]
+        return sum(m.nbytes for m in models if m is not None) + _TOKEN_BYTES * len(
             self.committed)
 
 
