@@ -225,8 +225,9 @@ class RemoteProposer(SessionProposer):
 
     async def propose(self, state: RequestState, k: int, traceparent: str,
                       mode: str | None = None) -> ProposeOutcome:
-        if self._alongside is not None:  # normally answered long ago
-            await asyncio.wait({self._alongside})
+        if self._alongside is not None:  # normally answered long ago (then: no yield)
+            if not self._alongside.done():
+                await asyncio.wait({self._alongside})
             self._alongside = None
         held = self.lease.mux.pushed.pop(self.session_id, ())
         pushed = next((b for b in held if wire.prepared_matches(b, state.committed, k)), None)

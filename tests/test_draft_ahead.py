@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specserve.core.sampling import SamplingParams
-from specserve.engine.drafter import DrafterEngine, ProposeItem
+from specserve.engine.drafter import AHEAD_ROWS, DrafterEngine, ProposeItem
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,24 @@ def test_draft_ahead_replies_equal_drafting_on_request(lean, prompts, sampling, 
     assert (stats["ahead_hits_other_guess"] > 0) == second
     assert (stats["ahead_hits_rejection"] > 0) == second  # and the rejections' runners-up
     assert off.stats()["ahead_drafted"] == 0
+
+
+def test_under_load_nothing_is_drafted_ahead(lean, prompts):
+    """Replies out for more than AHEAD_ROWS sessions: no draft-ahead (a hit would save
+    little, the drafter's time would delay the next calls); the calls are served as
+    without it."""
+    on, off = DrafterEngine(lean, draft_ahead=True, guesses=2), DrafterEngine(lean)
+    items = [_item(f"s{i}", prompts[i % len(prompts)], 0, 2, "draft", SamplingParams())
+             for i in range(AHEAD_ROWS + 1)]
+    first = on.propose(items)
+    assert on.ahead_pending and on.draft_ahead() == 0 and not on.ahead_pending
+    assert not any(s.aheads for s in on._sessions.values())
+    nxt = [_item(it.session_id, [*it.tokens, *o.draft_tokens, 7], len(it.tokens), 2, "draft",
+                 SamplingParams()) for it, o in zip(items, first, strict=True)]
+    off.propose(items)
+    assert [o.draft_tokens for o in on.propose(nxt)] == [
+        o.draft_tokens for o in off.propose(nxt)]
+    assert on.stats()["ahead_drafted"] == on.stats()["ahead_hits"] == 0
 
 
 def test_a_released_session_is_not_drafted_ahead(lean, prompts):
