@@ -18,7 +18,7 @@ other_cpus=${OTHER_CPUS:-$([ "$n" -gt 1 ] && echo "1-$((n - 1))" || echo 0)}
 pin_loop() {
   declare -A seen
   while true; do
-    targets=" $(pgrep -f 'ServeReplica:specserve:Target' | tr '\n' ' ') "
+    targets=" $(pgrep -f 'ServeReplica:specserve:Target' | tr '\n' ' ' || true) "
     for p in $(ps -eo pid=); do
       [ -n "${seen[$p]:-}" ] && continue
       case "$targets" in *" $p "*) cpus=$target_cpus ;; *) cpus=$other_cpus ;; esac
