@@ -104,8 +104,9 @@ def prepared_to_proto(p: Prepared, replica: str) -> pb.ProposeReply:
 
 def prepared_matches(msg: pb.ProposeReply, committed: list[int], k: int) -> bool:
     """A pushed block is this round's proposal: it is for exactly these committed tokens
-    (their length and their end: the previous call's drafts, all accepted, and the extra
-    token the drafter guessed; the rest is what that call carried) and has k drafts."""
+    (their length and their end: every token after the previous call's, its drafts
+    accepted up to the outcome and the token the drafter guessed after them; the rest is
+    what that call carried) and has k drafts."""
     n = len(msg.tail)
     return (msg.committed_len == len(committed) and len(msg.draft_tokens) == k and n > 0
             and committed[-n:] == list(msg.tail))
