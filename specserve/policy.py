@@ -73,6 +73,10 @@ POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its request
 DRAFT_PROFILE_WEIGHT = 4  # observations per point of a drafter's start-up profile
 HYSTERESIS = 0.03  # a batch's shared plan changes only for a better score by this much
 PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that find a match
+MEASURED_AFTER = 2  # rounds of a plan at a batch size before its measured time replaces
+# the model's prediction (``CostModel.round_s``)
+MEASURED_ROWS = 4  # round times are kept per plan for batches of at most this many rows
+MEASURED_STALE = 64  # a plan's measured time older than this many measured rounds expires
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate; a search over a long context costs ~0.2 ms of router time)
 
@@ -202,9 +206,43 @@ class CostModel:
     lookup_match: float = PRIOR_MATCH
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
+    # (proposer, k, rows) -> [moving round seconds, rounds, tick of the last]: what a plan's
+    # rounds took, at small batches (where the same sizes recur); see ``round_s``
+    measured: dict[tuple[str | None, int, int], list[float]] = field(default_factory=dict)
+    ticks: int = 0  # rounds measured
 
     def saw_lookup(self, matched: bool) -> None:
         self.lookup_match = _ema(self.lookup_match, float(matched), 0.05)
+
+    def round_s(self, proposer: str | None, k: int, rows: int, predicted: float) -> float:
+        """A round's time for this plan at this batch size: what its last rounds took,
+        once it has run ``MEASURED_AFTER`` times at up to ``MEASURED_ROWS`` rows and not
+        ``MEASURED_STALE`` measured rounds ago, else ``predicted`` (the model's). The
+        linear model misprices some plans (a draft's verify cost grows with the context;
+        the fit cannot tell a draft's cost where k barely varies); a plan it underprices
+        is tried, measured and then priced at its real time, and a measurement expires
+        (the context and the load move on), so the model proposes and the measurements
+        decide."""
+        m = self.measured.get((proposer, k, rows))
+        if m is None or m[1] < MEASURED_AFTER or self.ticks - m[2] > MEASURED_STALE:
+            return predicted
+        return m[0]
+
+    def _measure(self, o: RoundOutcome) -> None:
+        """A round's time under its plan and batch size (not a request's first round, its
+        prefill, nor one that repaired a cache miss: those are not the plan's cost)."""
+        rows = o.verdict.batch_size + o.verdict.queue_rows
+        if (not 0 < rows <= MEASURED_ROWS or o.round_s <= 0 or o.round_no == 0
+                or any(e.miss for e in o.repairs)):
+            return
+        self.ticks += 1
+        key = (o.plan.proposer if o.plan.k else None, o.plan.k, rows)
+        m = self.measured.get(key)
+        if m is None or self.ticks - m[2] > MEASURED_STALE:
+            m = self.measured[key] = [o.round_s, 0, self.ticks]
+        m[0] = _ema(m[0], min(o.round_s, 3 * m[0]), 0.2)  # (a stall counts, bounded)
+        m[1] += 1
+        m[2] = self.ticks
 
     def verify_s(self, rows: float, tokens: float) -> float:
         return self.verify.predict((rows, tokens - rows), self.default_verify_s)
@@ -261,6 +299,7 @@ class CostModel:
             fixed = max(0.0, o.propose_s - (compute if p == "draft" else 0.0))
             self.call_s[p] = _ema_low(self.call_s.get(p), fixed)
         self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
+        self._measure(o)
         if v.batch_size > 0:
             self.rows = v.batch_size + v.queue_rows
 
@@ -307,7 +346,8 @@ class GoodputPolicy:
             m = match if proposer == "ngram" else 1.0
             e = 1.0 + m * ((acceptance or self.acceptance)[proposer].expected(k) - 1.0)
             drafts = m * k
-        t = c.overhead_s + c.propose_s(proposer, k, rows) + c.verify_s(rows, rows * (1 + drafts))
+        t = c.round_s(proposer if k else None, k, rows, c.overhead_s + c.propose_s(
+            proposer, k, rows) + c.verify_s(rows, rows * (1 + drafts)))
         return rows * e / t, Plan(proposer, k, "goodput", e, t)
 
     def best(self, cands: list[tuple[str, int]], others: int) -> Plan:
