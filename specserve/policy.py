@@ -16,7 +16,11 @@ verify(rows, tokens): the target's forward time (a + b_row rows + b_draft drafts
 online to the replies' compute times, seeded by the replicas' start-up profiles);
 propose(R, k): the proposer's call, for the draft model k drafter steps over the batch's
 drafting rows (c + d_row rows per step, likewise fitted and seeded), for prompt lookup its
-call alone; R: the rows of the last verify reply's batch plus the target's queue.
+call alone; R: the rows of the last verify reply's batch plus the target's queue. At
+small batches (R <= ``MEASURED_ROWS``, where the same sizes recur) a plan that has run
+lately has its own measured round time, and that replaces time(k): the linear model
+misprices some plans (a draft's verify cost grows with the context), so it proposes and
+the measurements decide (``CostModel.round_s``).
 
 Why the whole batch: the target's step waits for every row of its cohort, and the drafter
 serves the rows that draft together in one step, so drafting pays or costs per batch. A
@@ -258,7 +262,10 @@ class CostModel:
         return {"verify_ms_a_row_draft": ms(self.verify), "draft_step_ms_a_row":
                 ms(self.draft), "call_ms": {p: round(1000 * v, 3)
                                             for p, v in self.call_s.items()},
-                "overhead_ms": round(1000 * self.overhead_s, 3), "profiled": self.profiled}
+                "overhead_ms": round(1000 * self.overhead_s, 3), "profiled": self.profiled,
+                "measured_round_ms": {f"{p or 'none'}:{k}@{rows}": round(1000 * m[0], 3)
+                                      for (p, k, rows), m in self.measured.items()
+                                      if m[1] >= MEASURED_AFTER}}
 
     def seed(self, verify: Sequence[tuple[int, int, float]], draft: object = None) -> None:
         """Start from replicas' start-up profiles (``specserve.engine.profile``): verify
