@@ -223,3 +223,24 @@ def test_the_router_sends_pushed_blocks_without_a_drafter_call(builtin_pair, gen
     assert 0 < on[0][1]["drafted_ahead_after_rejection"] < on[0][1]["drafted_ahead"]
     assert on[1][1]["drafted_ahead_after_rejection"] == 0  # sampled: all-accepted only
     assert all(st["drafted_ahead"] == 0 for _, st in off)
+
+
+def test_the_router_holds_every_outcome_pushed_after_the_latest_round():
+    """Blocks pushed after one round (its all-accepted and rejection outcomes: different
+    committed lengths, one base) are held together; one pushed after a later round drops
+    them."""
+    from types import SimpleNamespace
+
+    from router.mux import StreamMux
+    from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
+
+    mux = SimpleNamespace(pushed={})
+
+    def block(n: int, tail: list[int]) -> pb.ProposeReply:
+        return pb.ProposeReply(session_id="s", committed_len=n, tail=tail)
+
+    for b in (block(13, [1, 2, 3]), block(11, [9]), block(12, [1, 8])):  # after 10 tokens
+        StreamMux._hold(mux, b)
+    assert [b.committed_len for b in mux.pushed["s"]] == [13, 11, 12]
+    StreamMux._hold(mux, block(15, [4, 5]))  # after the next round (13 tokens)
+    assert [b.committed_len for b in mux.pushed["s"]] == [15]

@@ -115,7 +115,7 @@ class DrafterEngine(LRUSessions):
         self.draft_ahead_on = draft_ahead and lean is not None
         self.guesses = max(1, guesses)
         # rows drafted ahead; calls that got a block (of them: for a guess other than the
-        # first) and calls that did not
+        # first after all accepted; for a rejection) and calls that did not
         self.ahead = {"drafted": 0, "hits": 0, "hits_other_guess": 0, "hits_rejection": 0,
                       "misses": 0}
         self._replied: dict[str, _Block] = {}  # session -> its last reply, to draft ahead from
