@@ -80,7 +80,7 @@ PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that fi
 MEASURED_AFTER = 2  # rounds of a plan at a batch size before its measured time replaces
 # the model's prediction (``CostModel.round_s``)
 MEASURED_ROWS = 4  # round times are kept per plan for batches of at most this many rows
-MEASURED_STALE = 64  # a plan's measured time older than this many measured rounds expires
+MEASURED_STALE = 32  # a plan's measured time older than this many measured rounds expires
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate; a search over a long context costs ~0.2 ms of router time)
 
@@ -233,11 +233,14 @@ class CostModel:
         return m[0]
 
     def _measure(self, o: RoundOutcome) -> None:
-        """A round's time under its plan and batch size (not a request's first round, its
-        prefill, nor one that repaired a cache miss: those are not the plan's cost)."""
+        """A round's time under its plan and batch size; not a request's first round (its
+        prefill), nor one whose drafter or target fed more than a round's 1-2 committed
+        tokens (catching up after rounds without the drafter, a cache miss): those are not
+        the plan's cost, and a plan priced too dear is not tried again until it expires."""
         rows = o.verdict.batch_size + o.verdict.queue_rows
-        if (not 0 < rows <= MEASURED_ROWS or o.round_s <= 0 or o.round_no == 0
-                or any(e.miss for e in o.repairs)):
+        fed = max((r.fed for r in (o.proposal.repair, o.verdict.repair) if r is not None),
+                  default=0)
+        if not 0 < rows <= MEASURED_ROWS or o.round_s <= 0 or o.round_no == 0 or fed > 2:
             return
         self.ticks += 1
         key = (o.plan.proposer if o.plan.k else None, o.plan.k, rows)

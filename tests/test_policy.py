@@ -469,3 +469,21 @@ def test_a_row_alone_settles_on_the_k_its_rounds_measure_best(monkeypatch):
     measured, alone = at_two(run(True)), at_two(run(False))
     # (deterministic draws; a measurement expires, so a plan is tried again now and then)
     assert measured >= 32 > alone
+
+
+def test_a_catch_up_round_is_not_its_plans_cost():
+    """A round whose drafter caught up on many committed tokens (after rounds without it,
+    or a cache miss) is slow for that reason, not its plan's: it is not measured (else a
+    plan priced too dear by one such round would not be tried again until it expires)."""
+    from specserve.contract import RepairRecord
+
+    cost = CostModel()
+    plan = Plan("draft", 2, "goodput")
+    slow = outcome(plan, 2, verify_s=0.09, propose_s=0.0)
+    slow = replace(slow, proposal=replace(slow.proposal, repair=RepairRecord(40, 40, 12)))
+    for _ in range(3):
+        cost.observe(slow)
+    assert cost.round_s("draft", 2, 1, 0.5) == 0.5  # not measured: the model's prediction
+    for _ in range(3):
+        cost.observe(outcome(plan, 2, verify_s=0.03, propose_s=0.0))
+    assert cost.round_s("draft", 2, 1, 0.5) == pytest.approx(0.03)
