@@ -363,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="GUESSES",
                        help="--service / --suite: start the service with drafter.draft_ahead "
                             "on, and GUESSES next tokens guessed per row if given (1-4; "
-                            "compare with a run without it: bench/draft_ahead.sh)")
+                            "from 2 each rejection is prepared too; compare with a run "
+                            "without it: bench/draft_ahead.sh)")
     bench.add_argument("--suite", action="store_true",
                        help="the adoption benchmark: workload classes x concurrency x configs "
                             "+ HF/naive/engine baselines; report.json, outputs.jsonl, "
