@@ -243,6 +243,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ahead = None if args.draft_ahead is None else {"drafter": {
         "draft_ahead": True, **({"draft_ahead_guesses": args.draft_ahead}
                                 if args.draft_ahead else {})}}
+    if args.repeats != 1 and not args.suite:
+        raise UsageError("--repeats: only with --suite")
     if args.concurrency is None:
         args.concurrency = "1,2,4,8,16,32" if args.suite else "1,4,16"
     if args.suite:
@@ -256,6 +258,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError("--concurrency: levels must be >= 1")
         if args.rate is not None and args.rate <= 0:
             raise UsageError("--rate must be > 0 requests/s")
+        if args.repeats < 1:
+            raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
         classes = None
         if args.workload:
             try:
@@ -271,7 +275,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args.server or local_service_starter(), args.target, args.drafter, levels,
             _int_list("--ks", args.ks) if args.ks else [2, 4], Path(args.out), classes=classes,
             requests_per_level=args.prompts, baselines=not args.no_hf,
-            poisson_rate=args.rate, only=only, app_config=ahead)
+            poisson_rate=args.rate, only=only, app_config=ahead, repeats=args.repeats)
         print((Path(args.out) / "summary.md").read_text(), file=out)
         return 0 if report["mismatches"]["total"] == 0 else 1
     if args.service or args.server:
@@ -375,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default all, and mixed; e.g. code-short,mixed)")
     bench.add_argument("--rate", type=float, help="--suite: also an open-loop Poisson run at "
                                                   "this many requests/s")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="--suite: run every level's configurations N times, interleaved "
+                            "(each in every position in turn), and report the median runs "
+                            "(default 1)")
     bench.set_defaults(func=cmd_bench)
     return parser
 

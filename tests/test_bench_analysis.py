@@ -55,6 +55,33 @@ def test_level_winners_name_the_best_and_rate_auto():
     assert level_winners(level) == {"best": "draft_k2", "best_fixed": "draft_k2"}
 
 
+def test_repeated_levels_interleave_and_report_the_median_run():
+    from specserve.bench.suite import _repeated_level
+
+    configs = [("off", {"k": 0}), ("draft_k2", {"k": 2}), ("auto", {"k": 4})]
+    order: list[int] = []
+    speed = {0: [100.0, 90.0, 110.0], 2: [130.0, 150.0, 120.0], 4: [140.0, 125.0, 135.0]}
+
+    def run(cfg: dict) -> dict:
+        order.append(cfg["k"])
+        i = sum(1 for k in order if k == cfg["k"]) - 1  # this config's repeat
+        return {"aggregate_tokens_per_s": speed[cfg["k"]][i], "repeat": i,
+                "outputs": [[cfg["k"], i]]}
+
+    level, outs = _repeated_level(run, configs, 3)
+    assert order == [0, 2, 4, 2, 4, 0, 4, 0, 2]  # each config in every position once
+    assert level["off"]["aggregate_tokens_per_s"] == 100.0 and level["off"]["repeat"] == 0
+    assert level["draft_k2"]["repeat"] == 0 and level["auto"]["repeat"] == 2
+    assert level["auto"]["aggregate_tokens_per_s_runs"] == [140.0, 125.0, 135.0]
+    assert outs["auto"] == [[4, 0], [4, 1], [4, 2]] and "outputs" not in level["auto"]
+    w = level_winners(level)
+    assert w["best_fixed"] == "draft_k2" and w["auto_vs_best_fixed"] == round(135 / 130, 3)
+    assert w["auto_vs_best_fixed_runs"] == [round(140 / 130, 3), round(125 / 150, 3),
+                                            round(135 / 120, 3)]
+    assert "auto_vs_best_fixed_runs" not in level_winners(
+        {n: {"aggregate_tokens_per_s": r["aggregate_tokens_per_s"]} for n, r in level.items()})
+
+
 def test_validate_report_finds_problems():
     assert validate_report({"schema": "x"})  # many problems
     ok = {"schema": SCHEMA, "pair": {}, "settings": {}, "mismatches": {}, "verdicts": {},

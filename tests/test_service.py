@@ -269,8 +269,13 @@ def test_bench_suite_tiny_end_to_end(service, tmp_path):
     classes = {"code": [Prompt("def add(a, b):\n", 6, "code"), Prompt("class A:\n", 6, "code")],
                "prose": [Prompt("The module provides", 6, "prose")]}
     report = run_suite(service.grpc_address, "builtin-target", "builtin-drafter", [1, 2], [2],
-                       tmp_path, classes=classes, requests_per_level=2, baseline_prompts=1)
+                       tmp_path, classes=classes, requests_per_level=2, baseline_prompts=1,
+                       repeats=2)
     assert validate_report(report) == []
+    level = report["classes"]["code"]["levels"]["2"]
+    assert all(len(row["aggregate_tokens_per_s_runs"]) == 2 for row in level.values())
+    lines = (tmp_path / "outputs.jsonl").read_text().splitlines()
+    assert {json.loads(x)["repeat"] for x in lines} == {0, 1}
     assert report["mismatches"]["total"] == 0
     assert set(report["classes"]) == {"code", "prose", "mixed"}
     assert set(report["verdicts"]) == {"code", "prose", "mixed"}

@@ -70,7 +70,9 @@ def verdict(speedups_by_level: Mapping[int, Mapping[str, float]]) -> dict:
 
 def level_winners(level: Mapping[str, Mapping]) -> dict:
     """Which configuration won one level (aggregate tokens/s), the best fixed one (spec-off
-    included, auto excluded), and auto against both."""
+    included, auto excluded), and auto against both. A level run several times (rows with
+    ``aggregate_tokens_per_s_runs``; their tokens/s is the median run's) also gets auto
+    against the best fixed one repeat by repeat."""
     tps = {name: float(row["aggregate_tokens_per_s"]) for name, row in level.items()}
     fixed = {n: v for n, v in tps.items() if n != "auto"}
     best_fixed = max(fixed, key=lambda n: fixed[n])
@@ -78,6 +80,11 @@ def level_winners(level: Mapping[str, Mapping]) -> dict:
     if "auto" in tps:
         out["auto_vs_best_fixed"] = round(tps["auto"] / max(fixed[best_fixed], 1e-9), 3)
         out["auto_vs_off"] = round(tps["auto"] / max(tps.get("off", 0.0), 1e-9), 3)
+        runs = {n: level[n].get("aggregate_tokens_per_s_runs") or [] for n in ("auto", best_fixed)}
+        if len(runs["auto"]) > 1 and len(runs["auto"]) == len(runs[best_fixed]):
+            # repeat r's auto against repeat r's best fixed (run close together in time)
+            pairs = zip(runs["auto"], runs[best_fixed], strict=True)
+            out["auto_vs_best_fixed_runs"] = [round(a / max(b, 1e-9), 3) for a, b in pairs]
     return out
 
 

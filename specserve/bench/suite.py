@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,29 @@ def _add_derived(level: dict[str, dict], plain_step_ms: float | None) -> None:
             row["efficiency"] = round(row["speedup_vs_off"] / ideal, 3)
 
 
+def _repeated_level(run: Callable[[dict], dict], configs: list[tuple[str, dict]],
+                    repeats: int) -> tuple[dict[str, dict], dict[str, list]]:
+    """One level, every configuration ``repeats`` times, interleaved: repeat r runs the
+    configurations rotated by r, so each takes every position in turn and a slow spell of a
+    shared machine falls on all of them, not on the one that happened to run then. A
+    configuration's row is its median run (by aggregate tokens/s; the lower middle when
+    ``repeats`` is even) with every run's tokens/s in ``aggregate_tokens_per_s_runs`` (repeat
+    order). Returns the rows and each configuration's outputs of all runs, repeat after
+    repeat."""
+    runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
+    for r in range(repeats):
+        shift = r % len(configs)
+        for name, cfg in configs[shift:] + configs[:shift]:
+            runs[name].append(run(cfg))
+    level, outs = {}, {}
+    for name, rows in runs.items():
+        outs[name] = [o for row in rows for o in row.pop("outputs")]
+        tps = [row["aggregate_tokens_per_s"] for row in rows]
+        level[name] = {**sorted(rows, key=lambda row: row["aggregate_tokens_per_s"])[
+            (len(rows) - 1) // 2], "aggregate_tokens_per_s_runs": tps}
+    return level, outs
+
+
 def _label(cls: str) -> str:
     """A workload class name as a request's ``workload`` ([A-Za-z0-9_.-], at most 32)."""
     return re.sub(r"[^A-Za-z0-9_.-]", "-", cls)[:32] or "custom"
@@ -104,8 +128,12 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
               requests_per_level: int = 8, ngram_k: int = 4, baselines: bool = True,
               baseline_prompts: int = 3, poisson_rate: float | None = None,
               app_config: dict | None = None, baseline_max_tokens: int = 32,
-              only: list[str] | None = None) -> dict:
-    """``only``: the classes to run (of ``classes`` and ``mixed``), default all."""
+              only: list[str] | None = None, repeats: int = 1) -> dict:
+    """``only``: the classes to run (of ``classes`` and ``mixed``), default all.
+    ``repeats``: run every level's configurations this many times, interleaved (see
+    ``_repeated_level``)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     classes = classes or builtin_workloads(max(requests_per_level, 4))
     classes = {**classes, "mixed": [p for ps in classes.values() for p in ps[::2]]}
     if only is not None:
@@ -120,7 +148,7 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
                           **(app_config or {})}, port=_free_port())
         server = service.grpc_address
     n_req = {c: max(requests_per_level, 2 * c) for c in levels}
-    total = sum(n_req.values()) * len(configs) * len(classes)
+    total = sum(n_req.values()) * len(configs) * len(classes) * repeats
     if baselines:
         total += (4 + len(ks)) * baseline_prompts * len(classes)
     bar = tqdm(total=total, desc="bench suite", unit="req")
@@ -133,20 +161,21 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
                 texts = [p.text for p in prompts]
                 budgets = [p.max_tokens for p in prompts]
                 body: dict = {"prompts": len(prompts), "levels": {}}
+                # each request names its class (auto's priors)
+                cls_configs = [(n, {**cfg, "workload": _label(cls)}) for n, cfg in configs]
                 for c in levels:
-                    level = {}
-                    for name, cfg in configs:  # each request names its class (auto's priors)
-                        level[name] = _level(client, texts, {**cfg, "workload": _label(cls)},
-                                             c, n_req[c], budgets, bar)
+                    level, outs = _repeated_level(
+                        partial(_level, client, texts, concurrency=c, n_requests=n_req[c],
+                                max_tokens=budgets, bar=bar), cls_configs, repeats)
                     step = level["off"]["target_compute_ms_mean"] if c == 1 else None
                     _add_derived(level, step)
-                    outs = {name: row.pop("outputs") for name, row in level.items()}
                     body.setdefault("mismatches", []).extend(
                         {**m, "level": c} for m in find_mismatches(outs))
                     for name, lst in outs.items():
                         for i, toks in enumerate(lst):
                             outputs_file.append({"class": cls, "level": c, "config": name,
-                                                 "index": i, "prompt_index": i % len(prompts),
+                                                 "repeat": i // n_req[c], "index": i % n_req[c],
+                                                 "prompt_index": i % n_req[c] % len(prompts),
                                                  "token_ids": toks})
                     body["levels"][str(c)] = level
                     body.setdefault("winners", {})[str(c)] = level_winners(level)
@@ -189,7 +218,8 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
     report["settings"] = {"levels": levels, "ks": ks, "ngram_k": ngram_k,
                           "baseline_prompts": baseline_prompts,
                           "baseline_max_tokens": baseline_max_tokens,
-                          "requests_per_level": n_req, "poisson_rate": poisson_rate,
+                          "requests_per_level": n_req, "repeats": repeats,
+                          "poisson_rate": poisson_rate,
                           "server": "started by the bench" if service else server}
     report["mismatches"] = {
         "total": sum(len(b.get("mismatches", [])) + len(b.get("baseline_mismatches", []))
@@ -215,6 +245,10 @@ def summary_markdown(report: dict) -> str:
              f"Pair: target `{report['pair']['target']}`, drafter `{report['pair']['drafter']}`. "
              f"Greedy outputs compared with spec-off: {report['mismatches']['total']} "
              "mismatches.", ""]
+    repeats = report.get("settings", {}).get("repeats", 1)
+    if repeats > 1:
+        lines += [f"Every level ran each configuration {repeats} times, interleaved; tokens/s "
+                  "are the median runs, ratios are between medians.", ""]
     for cls, body in report["classes"].items():
         v = report["verdicts"][cls]
         lines += [f"## {cls}: **{v['verdict']}** ({v['config']}: {v['speedup_low']:.2f}x at the "
@@ -235,6 +269,10 @@ def summary_markdown(report: dict) -> str:
         if all("auto_vs_best_fixed" in w for w in won):
             lines.append("| auto / best fixed | " + " | ".join(
                 f"{w['auto_vs_best_fixed']:.2f} ({w['best_fixed']})" for w in won) + " |")
+            if all("auto_vs_best_fixed_runs" in w for w in won):
+                lines.append("| ... per repeat | " + " | ".join(
+                    ", ".join(f"{x:.2f}" for x in w["auto_vs_best_fixed_runs"]) for w in won)
+                    + " |")
             worst = min(won, key=lambda w: w["auto_vs_best_fixed"])
             lines += ["", f"auto: at worst {worst['auto_vs_best_fixed']:.2f}x the best fixed "
                       f"configuration and {min(w['auto_vs_off'] for w in won):.2f}x spec-off "
