@@ -266,6 +266,10 @@ class CostModel:
                 ms(self.draft), "call_ms": {p: round(1000 * v, 3)
                                             for p, v in self.call_s.items()},
                 "overhead_ms": round(1000 * self.overhead_s, 3), "profiled": self.profiled,
+                "pooled_acceptance": {p: [round(a, 3) for a in acc.alpha]
+                                      for p, acc in self.pooled.items()},
+                "lookup_match": round(self.lookup_match, 3), "rows": self.rows,
+                "batch_plan": list(self.batch_plan),
                 "measured_round_ms": {f"{p or 'none'}:{k}@{rows}": round(1000 * m[0], 3)
                                       for (p, k, rows), m in self.measured.items()
                                       if m[1] >= MEASURED_AFTER}}

@@ -118,6 +118,15 @@ def _repeated_level(run: Callable[[dict], dict], configs: list[tuple[str, dict]]
     return level, outs
 
 
+def _with_cost_model(service: Any, run: Callable[[dict], dict], cfg: dict) -> dict:
+    """``run(cfg)``, and for auto what the router's cost model believed at its end (a
+    service the bench started: its router's stats are at hand)."""
+    row = run(cfg)
+    if cfg["spec"] == "auto":
+        row["auto_cost_model"] = service.router_stats()["auto_cost_model"]
+    return row
+
+
 def _label(cls: str) -> str:
     """A workload class name as a request's ``workload`` ([A-Za-z0-9_.-], at most 32)."""
     return re.sub(r"[^A-Za-z0-9_.-]", "-", cls)[:32] or "custom"
@@ -164,9 +173,11 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
                 # each request names its class (auto's priors)
                 cls_configs = [(n, {**cfg, "workload": _label(cls)}) for n, cfg in configs]
                 for c in levels:
+                    run = partial(_level, client, texts, concurrency=c, n_requests=n_req[c],
+                                  max_tokens=budgets, bar=bar)
                     level, outs = _repeated_level(
-                        partial(_level, client, texts, concurrency=c, n_requests=n_req[c],
-                                max_tokens=budgets, bar=bar), cls_configs, repeats)
+                        run if service is None else partial(_with_cost_model, service, run),
+                        cls_configs, repeats)
                     step = level["off"]["target_compute_ms_mean"] if c == 1 else None
                     _add_derived(level, step)
                     body.setdefault("mismatches", []).extend(
