@@ -335,12 +335,13 @@ class GoodputPolicy:
         self.idle = 0  # rounds alone in a row at k = 0 because speculating did not pay
         self.batch_rounds = 0  # rounds in a batch (every LOOKUP_EVERY-th searches)
         self.blind_lookup = False  # this round's plan is the batch's prompt lookup
+        self.shadow: list[int] | None = None  # this round's lookup match, when searched
 
     def candidates(self, state: RequestState, k_cap: int) -> list[tuple[str, int]]:
         out = []
         if self.has_drafter:
             out += [("draft", k) for k in range(1, k_cap + 1)]
-        match = propose_ngram(state.committed, k_cap, *self.ngram_n)
+        match = self.shadow = propose_ngram(state.committed, k_cap, *self.ngram_n)
         self.cost.saw_lookup(bool(match))
         out += [("ngram", k) for k in range(1, len(match) + 1)]
         return out
@@ -374,6 +375,7 @@ class GoodputPolicy:
         return plan
 
     def choose(self, state: RequestState) -> Plan:
+        self.blind_lookup, self.shadow = False, None
         if state.spec == "off":
             return Plan(None, 0, "drafter_unavailable") \
                 if state.stats.speculation_disabled_reason else NO_SPECULATION
@@ -382,11 +384,11 @@ class GoodputPolicy:
             return Plan(None, 0, "budget", 1.0)
         if not state.sampling.greedy:
             return self.reproducible(state, k_cap)
-        self.blind_lookup = False
         if self.cost.rows > 1:
             self.batch_rounds += 1
             if self.batch_rounds % LOOKUP_EVERY == 0:
-                self.cost.saw_lookup(bool(propose_ngram(state.committed, 1, *self.ngram_n)))
+                self.shadow = propose_ngram(state.committed, k_cap, *self.ngram_n)
+                self.cost.saw_lookup(bool(self.shadow))
             return self.in_batch(k_cap)
         cands = self.candidates(state, k_cap)
         if not cands:
@@ -447,6 +449,12 @@ class GoodputPolicy:
         p = o.plan.proposer
         if self.blind_lookup and p == "ngram":  # planned without knowing: an honest sample
             self.cost.saw_lookup(o.drafted > 0)
+        if self.shadow and not (p == "ngram" and o.drafted):
+            # the lookup this round searched but did not propose: how much of it the
+            # target would have accepted (greedy: the committed tokens are the target's)
+            drafted, accepted = shadow_acceptance(self.shadow, o.tokens)
+            self.acceptance["ngram"].observe(drafted, accepted)
+            self.cost.pooled["ngram"].observe(drafted, accepted)
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)
             self.cost.pooled[p].observe(o.drafted, o.decision.num_accepted)
@@ -454,6 +462,22 @@ class GoodputPolicy:
             for i in range(min(o.drafted, o.decision.num_accepted + 1, self.k_max)):
                 tried[i] += 1
                 acc[i] += int(i < o.decision.num_accepted)
+
+
+def shadow_acceptance(match: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:
+    """What a prompt lookup's ``match``, searched at a round's start but not proposed, would
+    have had accepted, as (drafted, accepted) for ``Acceptance.observe``: a greedy round
+    commits the target's own tokens, so draft i would have been accepted exactly when it
+    equals committed token i, as far as the round committed tokens. A match longer than
+    the round's tokens, all of them equal, is censored there: positions past the round's
+    tokens were not seen (observed as that many drafted, all accepted). Prompt lookup
+    costs nothing, so its acceptance is learned in every round that searches, not only in
+    the rounds that chose it (a batch that never chose it would never correct its prior)."""
+    n = min(len(match), len(committed))
+    same = next((i for i in range(n) if match[i] != committed[i]), n)
+    if same < n or len(match) <= len(committed):
+        return len(match), same
+    return n, n
 
 
 def policy_for(state: RequestState, cost: CostModel, has_drafter: bool,

@@ -200,6 +200,45 @@ def test_a_batch_shares_prompt_lookup_where_it_pays():
                                                                           strict=True))
 
 
+def test_shadow_acceptance_is_what_the_target_would_have_accepted():
+    from specserve.policy import shadow_acceptance
+
+    assert shadow_acceptance([5, 6, 7, 8], [5, 9]) == (4, 1)  # rejected at the second
+    assert shadow_acceptance([5, 6, 7, 8], [9]) == (4, 0)
+    assert shadow_acceptance([5, 6], [5, 6, 7]) == (2, 2)  # all accepted, bonus after
+    assert shadow_acceptance([5, 6, 7, 8], [5, 6]) == (2, 2)  # censored: 7, 8 not seen
+    assert shadow_acceptance([5, 6], []) == (0, 0)
+
+
+def test_a_batch_learns_the_prompt_lookup_it_did_not_choose():
+    """Prompt lookup costs nothing, so the rows that search it (in a batch every
+    LOOKUP_EVERY-th round) learn what it would have had accepted from the round's committed
+    tokens: a batch whose pooled lookup estimate started (or fell) low, and so drafts with
+    the draft model, finds out that the lookup would do better and turns to it. Before,
+    its estimate moved only in rounds that chose it, which such a batch never did."""
+    from specserve.core.ngram import propose_ngram
+
+    cost = seeded(0.006)
+    cost.pooled["ngram"].alpha = [0.2] * len(cost.pooled["ngram"].alpha)  # an unlucky start
+    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(2)]
+    sts = [state(REPEATS * 3), state(REPEATS * 3)]
+    found = propose_ngram(sts[0].committed, K)
+    assert len(found) == K
+    cost.observe(outcome(Plan(None, 0, "off"), 0, batch_size=8))  # a batch of 8
+    plans = []
+    for _ in range(12 * 8):  # the drafts get 1 of 4 accepted; the target's tokens are the
+        for policy, st in zip(rows, sts, strict=True):  # lookup's
+            plan = policy.choose(st)
+            plans.append(plan.proposer)
+            if plan.proposer == "ngram":
+                o = outcome(plan, plan.k, batch_size=8)
+            else:
+                o = outcome(plan, min(1, plan.k), batch_size=8)
+            policy.observe(st, replace(o, tokens=tuple(found[:len(o.tokens)])))
+    assert plans[0] == "draft" and plans[-1] == "ngram"
+    assert cost.pooled["ngram"].alpha[0] > 0.5
+
+
 def _empty(plan: Plan) -> RoundOutcome:
     """A prompt-lookup round that found no match: no drafts, the plain token."""
     o = outcome(Plan(plan.proposer, 0, plan.reason), 0, batch_size=8)
