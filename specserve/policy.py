@@ -81,6 +81,7 @@ MEASURED_AFTER = 2  # rounds of a plan at a batch size before its measured time 
 # the model's prediction (``CostModel.round_s``)
 MEASURED_ROWS = 4  # round times are kept per plan for batches of at most this many rows
 MEASURED_STALE = 32  # a plan's measured time older than this many measured rounds expires
+LOAD_STEP = 0.2  # a batch's plan is scored at its rows smoothed over ~1 / LOAD_STEP rounds
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate; a search over a long context costs ~0.2 ms of router time)
 
@@ -209,6 +210,7 @@ class CostModel:
     # knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th and its lookup plans)
     lookup_match: float = PRIOR_MATCH
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
+    load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
     # (proposer, k, rows) -> [moving round seconds, rounds, tick of the last]: what a plan's
     # rounds took, at small batches (where the same sizes recur); see ``round_s``
@@ -269,6 +271,7 @@ class CostModel:
                 "pooled_acceptance": {p: [round(a, 3) for a in acc.alpha]
                                       for p, acc in self.pooled.items()},
                 "lookup_match": round(self.lookup_match, 3), "rows": self.rows,
+                "load": round(self.load, 2),
                 "batch_plan": list(self.batch_plan),
                 "measured_round_ms": {f"{p or 'none'}:{k}@{rows}": round(1000 * m[0], 3)
                                       for (p, k, rows), m in self.measured.items()
@@ -310,12 +313,17 @@ class CostModel:
                                                               / o.drafted)))
             self.draft.observe((drafting,), compute / o.drafted)
         if p is not None and o.drafted:
-            fixed = max(0.0, o.propose_s - (compute if p == "draft" else 0.0))
-            self.call_s[p] = _ema_low(self.call_s.get(p), fixed)
+            fixed = o.propose_s - (compute if p == "draft" else 0.0)
+            hops = o.proposal.call.hops()
+            if p == "ngram" and hops:  # not its wait behind other rows' draft steps (a
+                fixed -= hops[1]  # batch that shares the lookup has none): a lookup alone
+            self.call_s[p] = _ema_low(self.call_s.get(p), max(0.0, fixed))
         self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
         self._measure(o)
         if v.batch_size > 0:
             self.rows = v.batch_size + v.queue_rows
+            # every row of a batch reports it: about LOAD_STEP a batch round whatever its size
+            self.load = _ema(self.load, self.rows, LOAD_STEP / self.rows)
 
 
 class GoodputPolicy:
@@ -415,7 +423,7 @@ class GoodputPolicy:
         ``HYSTERESIS`` better. Prompt lookup is a candidate too: every row asks (a drafter
         call, so the rows stay in step) and those with a match propose."""
         c = self.cost
-        others = c.rows - 1
+        others = max(1, round(c.load)) - 1  # the rows it shares, not the last step's cohort
         plans = [(None, 0), *((p, k) for p in ("draft", "ngram")[not self.has_drafter:]
                               for k in range(1, self.k_max + 1))]
         scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}

@@ -259,12 +259,53 @@ def test_rows_of_a_batch_keep_in_step():
         bad.observe(sb, outcome(Plan("draft", 4, "goodput"), 0, batch_size=4))
     pg, pb = good.choose(sg), bad.choose(sb)
     assert pg == pb and pg.proposer == "draft" and pg.k >= 1
-    for _ in range(4):  # the target fills up, rows queue behind it
+    full = outcome(Plan("draft", 1, "goodput"), 1, batch_size=32, queue_rows=32)
+    for _ in range(3):  # the target fills up, rows queue behind it, for some rounds
         for policy, st in ((good, sg), (bad, sb)):
-            policy.observe(st, outcome(Plan("draft", 1, "goodput"), 1, batch_size=32,
-                                       queue_rows=32))
+            policy.observe(st, full)
+        for _ in range(62):  # the batch's other rows report it too
+            cost.observe(full)
     assert good.choose(sg).k == bad.choose(sb).k == 0
     assert good.choose(sg).reason == bad.choose(sb).reason == "saturated"
+
+
+def test_a_batchs_plan_does_not_follow_one_small_cohort():
+    """A batch's plan is scored at its rows smoothed over its last rounds (``load``), not
+    at the last verify reply's: under load the target's steps take whoever has arrived,
+    so one reply may say 2 rows while 16 share the plan, and a plan that followed it would
+    flip (a flip to the draft model makes the drafter catch up on every row)."""
+    cost = seeded(0.006)
+    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(16)]
+    sts = [state() for _ in rows]
+    for _ in range(25):
+        for policy, st in zip(rows, sts, strict=True):
+            plan = policy.choose(st)
+            policy.observe(st, outcome(plan, min(plan.k, 1), batch_size=16))
+    steady = rows[1].choose(sts[1])
+    assert cost.load > 14
+    plan = rows[0].choose(sts[0])
+    rows[0].observe(sts[0], outcome(plan, min(plan.k, 1), batch_size=2))  # a small cohort
+    after = rows[1].choose(sts[1])
+    assert cost.rows == 2 and (after.proposer, after.k) == (steady.proposer, steady.k)
+
+
+def test_a_lookups_call_cost_is_not_its_wait_behind_draft_steps():
+    """The drafter answers prompt lookups too; a lookup asked while other rows draft waits
+    behind their draft steps, which a batch that shares the lookup does not have, so that
+    wait (the replica's time besides compute, from its stamps) is not the lookup's cost.
+    (Priced by it, the lookup looked 24 ms dear in a bench at concurrency 3, and was never
+    chosen again to correct it.)"""
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    o = outcome(Plan("ngram", 4, "goodput"), 2, batch_size=3)
+    ms = 1_000_000
+    call = CallInfo(call_ns=0, received_ns=1 * ms, sent_ns=22 * ms, reply_ns=23 * ms)
+    o = replace(o, proposal=replace(o.proposal, call=call), propose_s=0.023)
+    policy.observe(state(), o)
+    assert policy.cost.call_s["ngram"] == pytest.approx(0.002)
+    drafted = replace(o, plan=Plan("draft", 4, "goodput"), proposal=replace(
+        o.proposal, call=replace(call, compute_s=0.020)))  # a draft call waits for its step
+    policy.observe(state(), drafted)
+    assert policy.cost.call_s["draft"] == pytest.approx(0.003)
 
 
 def test_prompt_lookup_only_where_it_matches():
