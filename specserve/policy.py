@@ -16,11 +16,13 @@ verify(rows, tokens): the target's forward time (a + b_row rows + b_draft drafts
 online to the replies' compute times, seeded by the replicas' start-up profiles);
 propose(R, k): the proposer's call, for the draft model k drafter steps over the batch's
 drafting rows (c + d_row rows per step, likewise fitted and seeded), for prompt lookup its
-call alone; R: the rows of the last verify reply's batch plus the target's queue. At
-small batches (R <= ``MEASURED_ROWS``, where the same sizes recur) a plan that has run
-lately has its own measured round time, and that replaces time(k): the linear model
-misprices some plans (a draft's verify cost grows with the context), so it proposes and
-the measurements decide (``CostModel.round_s``).
+call alone; R: the rows of the verify replies' batches plus the target's queue, smoothed
+over the batch's last rounds (``CostModel.load``). A plan that has run lately at this load
+(on a grid: exact up to 4 rows, 25 % apart above) has its own measured round time, and that
+replaces time(k): the linear model misprices some plans (a draft's verify cost grows with
+the context; where the drafter and the target share CPUs, drafting slows the target's
+forward, which no term of the model has), so it proposes and the measurements decide
+(``CostModel.round_s``).
 
 Why the whole batch: the target's step waits for every row of its cohort, and the drafter
 serves the rows that draft together in one step, so drafting pays or costs per batch. A
@@ -53,6 +55,7 @@ tokens depend on where drafts were proposed, so its plans must not depend on tim
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -77,10 +80,9 @@ POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its request
 DRAFT_PROFILE_WEIGHT = 4  # observations per point of a drafter's start-up profile
 HYSTERESIS = 0.03  # a batch's shared plan changes only for a better score by this much
 PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that find a match
-MEASURED_AFTER = 2  # rounds of a plan at a batch size before its measured time replaces
+MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time replaces
 # the model's prediction (``CostModel.round_s``)
-MEASURED_ROWS = 4  # round times are kept per plan for batches of at most this many rows
-MEASURED_STALE = 32  # a plan's measured time older than this many measured rounds expires
+MEASURED_STALE = 32  # a plan's measured time older than this many batch rounds expires
 LOAD_STEP = 0.2  # a batch's plan is scored at its rows smoothed over ~1 / LOAD_STEP rounds
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate; a search over a long context costs ~0.2 ms of router time)
@@ -168,6 +170,14 @@ class _Fit:
         return theta
 
 
+def _bucket(rows: float) -> int:
+    """A load as measured round times are kept: exact up to 4 rows, above on a grid 25 %
+    apart (5, 6, 7, 9, 12, 15, 18, 23, 28, 36, ...: large loads recur only roughly)."""
+    if rows < 4.5:
+        return max(1, round(rows))
+    return round(1.25 ** round(math.log(rows, 1.25)))
+
+
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
     return new if old is None else (1 - w) * old + w * new
 
@@ -221,33 +231,35 @@ class CostModel:
         self.lookup_match = _ema(self.lookup_match, float(matched), 0.05)
 
     def round_s(self, proposer: str | None, k: int, rows: int, predicted: float) -> float:
-        """A round's time for this plan at this batch size: what its last rounds took,
-        once it has run ``MEASURED_AFTER`` times at up to ``MEASURED_ROWS`` rows and not
-        ``MEASURED_STALE`` measured rounds ago, else ``predicted`` (the model's). The
-        linear model misprices some plans (a draft's verify cost grows with the context;
-        the fit cannot tell a draft's cost where k barely varies); a plan it underprices
-        is tried, measured and then priced at its real time, and a measurement expires
-        (the context and the load move on), so the model proposes and the measurements
-        decide."""
-        m = self.measured.get((proposer, k, rows))
-        if m is None or m[1] < MEASURED_AFTER or self.ticks - m[2] > MEASURED_STALE:
+        """A round's time for this plan at this load: what its last rounds took, once it
+        has run ``MEASURED_AFTER`` batch rounds there (``rows`` rounds each) and not
+        ``MEASURED_STALE`` batch rounds ago, else ``predicted`` (the model's). The linear
+        model misprices some plans (a draft's verify cost grows with the context; the fit
+        cannot tell a draft's cost where k barely varies, nor sees the CPU a drafter takes
+        from the target beside it); a plan it underprices is tried, measured and then
+        priced at its real time, and a measurement expires (the context and the load move
+        on: a plan not run lately is tried again, about one batch round in
+        ``MEASURED_STALE``), so the model proposes and the measurements decide."""
+        b = _bucket(rows)
+        m = self.measured.get((proposer, k, b))
+        if m is None or m[1] < MEASURED_AFTER * b or self.ticks - m[2] > MEASURED_STALE * b:
             return predicted
         return m[0]
 
     def _measure(self, o: RoundOutcome) -> None:
-        """A round's time under its plan and batch size; not a request's first round (its
+        """A round's time under its plan and load; not a request's first round (its
         prefill), nor one whose drafter or target fed more than a round's 1-2 committed
         tokens (catching up after rounds without the drafter, a cache miss): those are not
         the plan's cost, and a plan priced too dear is not tried again until it expires."""
-        rows = o.verdict.batch_size + o.verdict.queue_rows
         fed = max((r.fed for r in (o.proposal.repair, o.verdict.repair) if r is not None),
                   default=0)
-        if not 0 < rows <= MEASURED_ROWS or o.round_s <= 0 or o.round_no == 0 or fed > 2:
+        if o.verdict.batch_size <= 0 or o.round_s <= 0 or o.round_no == 0 or fed > 2:
             return
         self.ticks += 1
-        key = (o.plan.proposer if o.plan.k else None, o.plan.k, rows)
+        b = _bucket(self.load)
+        key = (o.plan.proposer if o.plan.k else None, o.plan.k, b)
         m = self.measured.get(key)
-        if m is None or self.ticks - m[2] > MEASURED_STALE:
+        if m is None or self.ticks - m[2] > MEASURED_STALE * b:
             m = self.measured[key] = [o.round_s, 0, self.ticks]
         m[0] = _ema(m[0], min(o.round_s, 3 * m[0]), 0.2)  # (a stall counts, bounded)
         m[1] += 1
