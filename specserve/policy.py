@@ -56,6 +56,7 @@ tokens depend on where drafts were proposed, so its plans must not depend on tim
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -170,6 +171,26 @@ class _Fit:
         return theta
 
 
+@dataclass
+class _Measured:
+    """A plan's round times at one load: the median of its last rounds (a stall of a
+    shared machine, a round that waited on others, does not move it as it would a mean),
+    how many were measured, and the tick of the last."""
+
+    times: deque[float]
+    n: int = 0
+    tick: int = 0
+
+    def add(self, seconds: float, tick: int) -> None:
+        self.times.append(seconds)
+        self.n += 1
+        self.tick = tick
+
+    @property
+    def seconds(self) -> float:
+        return float(np.median(self.times))
+
+
 def _bucket(rows: float) -> int:
     """A load as measured round times are kept: exact up to 4 rows, above on a grid 25 %
     apart (5, 6, 7, 9, 12, 15, 18, 23, 28, 36, ...: large loads recur only roughly)."""
@@ -222,9 +243,8 @@ class CostModel:
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
-    # (proposer, k, rows) -> [moving round seconds, rounds, tick of the last]: what a plan's
-    # rounds took, at small batches (where the same sizes recur); see ``round_s``
-    measured: dict[tuple[str | None, int, int], list[float]] = field(default_factory=dict)
+    # (proposer, k, load bucket) -> what a plan's last rounds took there; see ``round_s``
+    measured: dict[tuple[str | None, int, int], _Measured] = field(default_factory=dict)
     ticks: int = 0  # rounds measured
 
     def saw_lookup(self, matched: bool) -> None:
@@ -242,28 +262,29 @@ class CostModel:
         ``MEASURED_STALE``), so the model proposes and the measurements decide."""
         b = _bucket(rows)
         m = self.measured.get((proposer, k, b))
-        if m is None or m[1] < MEASURED_AFTER * b or self.ticks - m[2] > MEASURED_STALE * b:
+        if m is None or m.n < MEASURED_AFTER * b or self.ticks - m.tick > MEASURED_STALE * b:
             return predicted
-        return m[0]
+        return m.seconds
 
-    def _measure(self, o: RoundOutcome) -> None:
+    def _measure(self, o: RoundOutcome, steady: bool) -> None:
         """A round's time under its plan and load; not a request's first round (its
         prefill), nor one whose drafter or target fed more than a round's 1-2 committed
-        tokens (catching up after rounds without the drafter, a cache miss): those are not
-        the plan's cost, and a plan priced too dear is not tried again until it expires."""
+        tokens (catching up after rounds without the drafter, a cache miss), nor the first
+        round after the row's plan changed (the batch changes together, and its first
+        round waits for the rows that catch up): those are not the plan's cost, and a plan
+        priced too dear is not tried again until it expires."""
         fed = max((r.fed for r in (o.proposal.repair, o.verdict.repair) if r is not None),
                   default=0)
-        if o.verdict.batch_size <= 0 or o.round_s <= 0 or o.round_no == 0 or fed > 2:
+        if o.verdict.batch_size <= 0 or o.round_s <= 0 or o.round_no == 0 or fed > 2 \
+                or not steady:
             return
         self.ticks += 1
         b = _bucket(self.load)
         key = (o.plan.proposer if o.plan.k else None, o.plan.k, b)
         m = self.measured.get(key)
-        if m is None or self.ticks - m[2] > MEASURED_STALE * b:
-            m = self.measured[key] = [o.round_s, 0, self.ticks]
-        m[0] = _ema(m[0], min(o.round_s, 3 * m[0]), 0.2)  # (a stall counts, bounded)
-        m[1] += 1
-        m[2] = self.ticks
+        if m is None or self.ticks - m.tick > MEASURED_STALE * b:
+            m = self.measured[key] = _Measured(deque(maxlen=max(8, MEASURED_AFTER * b)))
+        m.add(o.round_s, self.ticks)
 
     def verify_s(self, rows: float, tokens: float) -> float:
         return self.verify.predict((rows, tokens - rows), self.default_verify_s)
@@ -285,9 +306,9 @@ class CostModel:
                 "lookup_match": round(self.lookup_match, 3), "rows": self.rows,
                 "load": round(self.load, 2),
                 "batch_plan": list(self.batch_plan),
-                "measured_round_ms": {f"{p or 'none'}:{k}@{rows}": round(1000 * m[0], 3)
+                "measured_round_ms": {f"{p or 'none'}:{k}@{rows}": round(1000 * m.seconds, 3)
                                       for (p, k, rows), m in self.measured.items()
-                                      if m[1] >= MEASURED_AFTER}}
+                                      if m.n >= MEASURED_AFTER * rows}}
 
     def seed(self, verify: Sequence[tuple[int, int, float]], draft: object = None) -> None:
         """Start from replicas' start-up profiles (``specserve.engine.profile``): verify
@@ -312,7 +333,9 @@ class CostModel:
             return fixed  # a search over the committed tokens, plus the call
         return fixed + k * self.draft_step_s(rows)
 
-    def observe(self, o: RoundOutcome) -> None:
+    def observe(self, o: RoundOutcome, steady: bool = True) -> None:
+        """A round's outcome; ``steady``: the row's plan was the same the round before
+        (else the round is not measured as the plan's time)."""
         v, p = o.verdict, o.plan.proposer
         verify = v.call.compute_s or o.verify_s  # in process: no replica reports compute
         tokens = v.batch_tokens or v.batch_size * (o.drafted + 1)
@@ -331,7 +354,7 @@ class CostModel:
                 fixed -= hops[1]  # batch that shares the lookup has none): a lookup alone
             self.call_s[p] = _ema_low(self.call_s.get(p), max(0.0, fixed))
         self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
-        self._measure(o)
+        self._measure(o, steady)
         if v.batch_size > 0:
             self.rows = v.batch_size + v.queue_rows
             # every row of a batch reports it: about LOAD_STEP a batch round whatever its size
@@ -356,6 +379,7 @@ class GoodputPolicy:
         self.batch_rounds = 0  # rounds in a batch (every LOOKUP_EVERY-th searches)
         self.blind_lookup = False  # this round's plan is the batch's prompt lookup
         self.shadow: list[int] | None = None  # this round's lookup match, when searched
+        self.last_plan: tuple[str | None, int] | None = None  # the round before's
 
     def candidates(self, state: RequestState, k_cap: int) -> list[tuple[str, int]]:
         out = []
@@ -465,7 +489,9 @@ class GoodputPolicy:
         return Plan(None, 0, "no_lookup_match")
 
     def observe(self, state: RequestState, o: RoundOutcome) -> None:
-        self.cost.observe(o)
+        plan = (o.plan.proposer if o.plan.k else None, o.plan.k)
+        self.cost.observe(o, steady=plan == self.last_plan)
+        self.last_plan = plan
         p = o.plan.proposer
         if self.blind_lookup and p == "ngram":  # planned without knowing: an honest sample
             self.cost.saw_lookup(o.drafted > 0)

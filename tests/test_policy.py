@@ -612,3 +612,17 @@ def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch
     assert sum(1 <= p.k <= 2 for p in late_m) > 0.8 * len(late_m)
     assert sum(p.k == 4 for p in late_model) > 0.8 * len(late_model)
     assert goodput(late_m) > 1.3 * goodput(late_model)
+
+
+def test_a_plans_measured_time_is_its_steady_rounds_median():
+    """The first round after a row's plan changed waits for the batch's catch-up and is
+    not measured; one stalled round among steady ones does not move the measured time
+    (a median, not a mean: a 1 s stall once moved a mean to many times the plan's cost)."""
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    st, plan = state(), Plan("draft", 2, "goodput")
+    policy.observe(st, outcome(plan, 2, verify_s=0.5, propose_s=0.0))  # a switch: 500 ms
+    for _ in range(4):
+        policy.observe(st, outcome(plan, 2, verify_s=0.03, propose_s=0.0))
+    policy.observe(st, outcome(plan, 2, verify_s=1.0, propose_s=0.0))  # a stall
+    policy.observe(st, outcome(plan, 2, verify_s=0.03, propose_s=0.0))
+    assert policy.cost.round_s("draft", 2, 1, 0.5) == pytest.approx(0.03)
