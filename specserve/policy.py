@@ -56,6 +56,7 @@ tokens depend on where drafts were proposed, so its plans must not depend on tim
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -175,20 +176,19 @@ class _Fit:
 class _Measured:
     """A plan's round times at one load: the median of its last rounds (a stall of a
     shared machine, a round that waited on others, does not move it as it would a mean),
-    how many were measured, and the tick of the last."""
+    kept as each round is added (it is read for every plan scored, every round), how many
+    were measured, and the tick of the last."""
 
     times: deque[float]
+    seconds: float = 0.0
     n: int = 0
     tick: int = 0
 
     def add(self, seconds: float, tick: int) -> None:
         self.times.append(seconds)
+        self.seconds = statistics.median(self.times)
         self.n += 1
         self.tick = tick
-
-    @property
-    def seconds(self) -> float:
-        return float(np.median(self.times))
 
 
 def _bucket(rows: float) -> int:
