@@ -191,6 +191,11 @@ class _Measured:
         self.tick = tick
 
 
+def _plan_key(plan: Plan) -> tuple[str | None, int]:
+    """A plan as its measured times are kept: k = 0 is nobody, whoever was asked."""
+    return (plan.proposer if plan.k else None, plan.k)
+
+
 def _bucket(rows: float) -> int:
     """A load as measured round times are kept: exact up to 4 rows, above on a grid 25 %
     apart (5, 6, 7, 9, 12, 15, 18, 23, 28, 36, ...: large loads recur only roughly)."""
@@ -280,7 +285,7 @@ class CostModel:
             return
         self.ticks += 1
         b = _bucket(self.load)
-        key = (o.plan.proposer if o.plan.k else None, o.plan.k, b)
+        key = (*_plan_key(o.plan), b)
         m = self.measured.get(key)
         if m is None or self.ticks - m.tick > MEASURED_STALE * b:
             m = self.measured[key] = _Measured(deque(maxlen=max(8, MEASURED_AFTER * b)))
@@ -349,9 +354,8 @@ class CostModel:
             self.draft.observe((drafting,), compute / o.drafted)
         if p is not None and o.drafted:
             fixed = o.propose_s - (compute if p == "draft" else 0.0)
-            hops = o.proposal.call.hops()
-            if p == "ngram" and hops:  # not its wait behind other rows' draft steps (a
-                fixed -= hops[1]  # batch that shares the lookup has none): a lookup alone
+            if p == "ngram" and (hops := o.proposal.call.hops()):  # not its wait behind
+                fixed -= hops[1]  # other rows' draft steps (a batch sharing it has none)
             self.call_s[p] = _ema_low(self.call_s.get(p), max(0.0, fixed))
         self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
         self._measure(o, steady)
@@ -489,7 +493,7 @@ class GoodputPolicy:
         return Plan(None, 0, "no_lookup_match")
 
     def observe(self, state: RequestState, o: RoundOutcome) -> None:
-        plan = (o.plan.proposer if o.plan.k else None, o.plan.k)
+        plan = _plan_key(o.plan)
         self.cost.observe(o, steady=plan == self.last_plan)
         self.last_plan = plan
         p = o.plan.proposer
