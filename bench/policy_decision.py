@@ -1,0 +1,65 @@
+"""Router-side cost of one spec=auto decision: ``GoodputPolicy.choose`` for a row in a
+batch of 16 (it scores every plan: nobody, draft and lookup at k = 1..4) with every plan's
+round time measured at that load, and ``observe`` of one round. This runs for every row
+of every round on the router, so it is on the per-round path. Pure (no Ray, no models).
+
+Run it with ``PYTHONPATH`` at another checkout to time that checkout's policy:
+    .venv/bin/python bench/policy_decision.py
+    PYTHONPATH=/tmp/before .venv/bin/python bench/policy_decision.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import timeit
+
+from specserve.api import GenerationRequest
+from specserve.contract import CallInfo, ProposeOutcome, VerifyOutcome
+from specserve.core.commit import CommitDecision
+from specserve.engine.generator import new_state
+from specserve.policy import CostModel, GoodputPolicy
+from specserve.rounds import Plan, RoundOutcome
+
+K, ROWS = 4, 16
+
+
+def _outcome(plan: Plan, accepted: int) -> RoundOutcome:
+    """One row's round in a batch of ``ROWS`` every row of which took ``plan``."""
+    drafts = list(range(plan.k))
+    verify_s = 0.02 + 0.002 * ROWS + 0.0005 * ROWS * plan.k
+    verdict = VerifyOutcome(accepted, 1, accepted == plan.k, batch_size=ROWS,
+                            call=CallInfo(compute_s=verify_s), batch_tokens=ROWS * (1 + plan.k))
+    decision = CommitDecision(10, plan.k, accepted, (*drafts[:accepted], 1),
+                              accepted == plan.k, plan.k - accepted)
+    return RoundOutcome(1, plan.k, ProposeOutcome(drafts, None, call=CallInfo(
+        compute_s=0.001 * plan.k)), verdict, decision, decision.tokens, None, 0.001 * plan.k,
+        verify_s, verify_s + 0.001 * plan.k, [], plan=plan)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--number", type=int, default=20000, help="calls per timing")
+    args = ap.parse_args()
+    cost = CostModel()
+    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(ROWS)]
+    prompt = list(range(100, 164))
+    states = [new_state(GenerationRequest(prompt_ids=prompt, max_tokens=64, k=K), prompt, 512,
+                        None, ("", ""), f"r{i}") for i in range(ROWS)]
+    plans = [Plan(None, 0, "goodput"), *(Plan(p, k, "goodput") for p in ("draft", "ngram")
+                                          for k in range(1, K + 1))]
+    for plan in plans:  # every plan measured at this load, in steady rounds
+        for _ in range(40):
+            for policy, st in zip(rows, states, strict=True):
+                policy.observe(st, _outcome(plan, min(plan.k, 1)))
+    policy, st = rows[0], states[0]
+    o = _outcome(Plan("draft", 2, "goodput"), 1)
+    choose = min(timeit.repeat(lambda: policy.choose(st), number=args.number, repeat=5))
+    observe = min(timeit.repeat(lambda: policy.observe(st, o), number=args.number, repeat=5))
+    print(json.dumps({"rows": ROWS, "measured_plans": len(getattr(cost, "measured", {})),
+                      "choose_us": round(1e6 * choose / args.number, 1),
+                      "observe_us": round(1e6 * observe / args.number, 1)}))
+
+
+if __name__ == "__main__":
+    main()
