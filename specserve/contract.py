@@ -131,6 +131,9 @@ class VerifyOutcome:
     logprobs: list[TokenLogprob] | None = None  # accepted drafts + extra token, if asked
     batch_tokens: int = 0  # positions verified in that forward (sum of k + 1 over its rows)
     queue_rows: int = 0  # rows waiting at the target when this reply left (its load)
+    # positions fed in that forward, all its rows: drafts, catch-up and prefill (a step with
+    # a prefill in it is not what a round of decoding costs; spec=auto leaves it out)
+    batch_fed: int = 0
 
 
 NO_PROPOSAL = ProposeOutcome([], None)

@@ -22,7 +22,8 @@ over the batch's last rounds (``CostModel.load``). A plan that has run lately at
 replaces time(k): the linear model misprices some plans (a draft's verify cost grows with
 the context; where the drafter and the target share CPUs, drafting slows the target's
 forward, which no term of the model has), so it proposes and the measurements decide
-(``CostModel.round_s``).
+(``CostModel.round_s``). Neither learns from a target step that had a prefill in it (a
+new request's prompt stalls the rows it joins, whatever their plan: ``decoding``).
 
 Why the whole batch: the target's step waits for every row of its cohort, and the drafter
 serves the rows that draft together in one step, so drafting pays or costs per batch. A
@@ -69,6 +70,7 @@ from specserve.core.ngram import propose_ngram
 from specserve.rounds import NO_SPECULATION, FixedK, Plan, Policy, max_k
 
 if TYPE_CHECKING:
+    from specserve.contract import VerifyOutcome
     from specserve.rounds import RequestState, RoundOutcome
 
 PROPOSERS = ("draft", "ngram")
@@ -85,6 +87,9 @@ PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that fi
 MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time replaces
 # the model's prediction (``CostModel.round_s``)
 MEASURED_STALE = 32  # a plan's measured time older than this many batch rounds expires
+MEASURED_WINDOW = 4  # a plan's measured time is the median of its last this many batch rounds
+PREFILL_FED = 8  # a target step that fed more positions than its rows' drafts and next
+# tokens by more than this had a prefill or a cache rebuild in it: not a decoding round
 LOAD_STEP = 0.2  # a batch's plan is scored at its rows smoothed over ~1 / LOAD_STEP rounds
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate; a search over a long context costs ~0.2 ms of router time)
@@ -276,19 +281,21 @@ class CostModel:
         prefill), nor one whose drafter or target fed more than a round's 1-2 committed
         tokens (catching up after rounds without the drafter, a cache miss), nor the first
         round after the row's plan changed (the batch changes together, and its first
-        round waits for the rows that catch up): those are not the plan's cost, and a plan
+        round waits for the rows that catch up), nor one whose target step had another
+        row's prefill in it (``decoding``: under load every arrival's prefill stalls the
+        rows it joins, whatever their plan): those are not the plan's cost, and a plan
         priced too dear is not tried again until it expires."""
         fed = max((r.fed for r in (o.proposal.repair, o.verdict.repair) if r is not None),
                   default=0)
         if o.verdict.batch_size <= 0 or o.round_s <= 0 or o.round_no == 0 or fed > 2 \
-                or not steady:
+                or not steady or not decoding(o.verdict):
             return
         self.ticks += 1
         b = _bucket(self.load)
         key = (*_plan_key(o.plan), b)
         m = self.measured.get(key)
         if m is None or self.ticks - m.tick > MEASURED_STALE * b:
-            m = self.measured[key] = _Measured(deque(maxlen=max(8, MEASURED_AFTER * b)))
+            m = self.measured[key] = _Measured(deque(maxlen=max(8, MEASURED_WINDOW * b)))
         m.add(o.round_s, self.ticks)
 
     def verify_s(self, rows: float, tokens: float) -> float:
@@ -344,7 +351,7 @@ class CostModel:
         v, p = o.verdict, o.plan.proposer
         verify = v.call.compute_s or o.verify_s  # in process: no replica reports compute
         tokens = v.batch_tokens or v.batch_size * (o.drafted + 1)
-        if v.batch_size > 0 and verify > 0:
+        if v.batch_size > 0 and verify > 0 and decoding(v):
             self.verify.observe((v.batch_size, tokens - v.batch_size), verify)
         compute = (o.proposal.call.compute_s or o.propose_s) if o.drafted else 0.0
         if p == "draft" and o.drafted and compute > 0:
@@ -512,6 +519,14 @@ class GoodputPolicy:
             for i in range(min(o.drafted, o.decision.num_accepted + 1, self.k_max)):
                 tried[i] += 1
                 acc[i] += int(i < o.decision.num_accepted)
+
+
+def decoding(v: VerifyOutcome) -> bool:
+    """Whether a verify reply's target step was a round of decoding: it fed its rows'
+    drafts and next tokens (and a few catch-up ones), no prefill or cache rebuild, whose
+    cost (hundreds of positions) has nothing to do with the plans of the rows it stalled.
+    A replica of the release before reports no fed positions: taken as decoding."""
+    return v.batch_fed <= v.batch_tokens + PREFILL_FED or not v.batch_fed
 
 
 def shadow_acceptance(match: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:

@@ -626,3 +626,20 @@ def test_a_plans_measured_time_is_its_steady_rounds_median():
     policy.observe(st, outcome(plan, 2, verify_s=1.0, propose_s=0.0))  # a stall
     policy.observe(st, outcome(plan, 2, verify_s=0.03, propose_s=0.0))
     assert policy.cost.round_s("draft", 2, 1, 0.5) == pytest.approx(0.03)
+
+
+def test_a_step_with_another_rows_prefill_is_not_a_plans_cost():
+    """Under load every arrival's prefill joins a target step and stalls the rows decoding
+    in it, whatever their plan: such a step (it fed far more positions than its rows' drafts
+    and next tokens) is neither measured as the plan's round time nor fitted as a verify
+    time, even when most of a plan's rounds had one."""
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    st, plan = state(), Plan("draft", 2, "goodput")
+    policy.last_plan, policy.cost.load = ("draft", 2), 2.0  # in step, in a batch of 2
+    for i in range(12):
+        o = outcome(plan, 2, batch_size=2, others_drafts=2, propose_s=0.0,
+                    verify_s=0.6 if i % 3 else 0.03)
+        fed = o.verdict.batch_tokens + (300 if i % 3 else 0)  # a 300-token prompt's prefill
+        policy.observe(st, replace(o, verdict=replace(o.verdict, batch_fed=fed)))
+    assert policy.cost.round_s("draft", 2, 2, 1.0) == pytest.approx(0.03)
+    assert policy.cost.verify_s(2, 6) < 0.1

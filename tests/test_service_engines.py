@@ -14,6 +14,7 @@ from specserve.core.sampling import SamplingParams
 from specserve.engine.drafter import DrafterEngine, ProposeItem
 from specserve.engine.lockstep import Lockstep, run_lockstep
 from specserve.engine.target import TargetEngine, VerifyItem
+from specserve.service.wire import verify_outcome_from_proto, verify_outcome_to_proto
 
 MAX_NEW = 24
 N_PROMPTS = 8
@@ -175,11 +176,16 @@ def test_cache_miss_protocol_and_lru(builtin_pair, generator, prompts):
     full = target.verify([vitem("a", 0, ids), vitem("b", 0, ids[:7])])
     assert not any(o.cache_miss for o in full) and full[0].batch_size == 2
     assert full[0].repair.fed == len(ids)
+    # two prefills: every position fed, beyond the one verified per row (spec=auto's clue)
+    assert (full[0].batch_tokens, full[0].batch_fed) == (2, len(ids) + 7)
+    wired = verify_outcome_from_proto(verify_outcome_to_proto(full[0], 1, "t", 1000))
+    assert (wired.batch_tokens, wired.batch_fed) == (2, len(ids) + 7)
     # both sessions of the batch survive the tiny budget; the next call evicts them
     assert target.has_session("a") and target.has_session("b")
     committed = [*ids, full[0].extra_token]
     nxt = target.verify([vitem("a", len(ids), committed)])[0]
     assert not nxt.cache_miss and nxt.repair.fed == 1 and nxt.repair.kept == len(ids)
+    assert nxt.batch_tokens == nxt.batch_fed == 1  # decoding: only its next token
     assert not target.has_session("b") and target.stats()["evictions"] == 1
     assert target.release("a") and not target.release("a")
 

@@ -420,9 +420,11 @@ class TargetEngine(LRUSessions):
             results = self._decide([r for _, r in rows], logits)
             logprobs = self._logprobs([r for _, r in rows], logits, results)
             tokens = sum(len(r.item.draft_tokens) + 1 for _, r in rows)
+            fed = sum(len(r.feed) for _, r in rows)
             for (idx, row), (n, extra, bonus), lp in zip(rows, results, logprobs, strict=True):
                 outcomes[idx] = VerifyOutcome(n, extra, bonus, False, row.repair, len(rows),
-                                              logprobs=lp, batch_tokens=tokens)
+                                              logprobs=lp, batch_tokens=tokens,
+                                              batch_fed=fed)
                 self._sessions.move_to_end(row.item.session_id)
             self._evict({r.item.session_id for _, r in rows})
         return [o for o in outcomes if o is not None]

@@ -149,7 +149,7 @@ def verify_outcome_to_proto(o: VerifyOutcome, call_id: int, replica: str,
         call_id=call_id, num_accepted=o.num_accepted, extra_token=o.extra_token, bonus=o.bonus,
         cache_miss=o.cache_miss, repair=repair_to_proto(o.repair), batch_size=o.batch_size,
         replica=replica, compute_us=compute_us, logprobs=logprobs_to_proto(o.logprobs),
-        batch_tokens=o.batch_tokens, queue_rows=o.queue_rows)
+        batch_tokens=o.batch_tokens, queue_rows=o.queue_rows, batch_fed=o.batch_fed)
 
 
 def verify_outcome_from_proto(msg: pb.VerifyReply) -> VerifyOutcome:
@@ -157,7 +157,7 @@ def verify_outcome_from_proto(msg: pb.VerifyReply) -> VerifyOutcome:
         msg.num_accepted, msg.extra_token, msg.bonus, msg.cache_miss, repair_from_proto(msg),
         msg.batch_size, _call_info(msg),
         logprobs_from_proto(msg.logprobs) if len(msg.logprobs) else None,
-        msg.batch_tokens, msg.queue_rows)
+        msg.batch_tokens, msg.queue_rows, msg.batch_fed)
 
 
 def release_message(component: str, session_id: str,

@@ -116,7 +116,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., tokens_start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., traceparent: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("call_id", "num_accepted", "extra_token", "bonus", "cache_miss", "repair", "batch_size", "replica", "error", "compute_us", "logprobs", "batch_tokens", "queue_rows", "received_ns", "sent_ns")
+    __slots__ = ("call_id", "num_accepted", "extra_token", "bonus", "cache_miss", "repair", "batch_size", "replica", "error", "compute_us", "logprobs", "batch_tokens", "queue_rows", "batch_fed", "received_ns", "sent_ns")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EXTRA_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class VerifyReply(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FED_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
@@ -145,9 +146,10 @@ class VerifyReply(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_specserve_pb2.TokenLogprob]
     batch_tokens: int
     queue_rows: int
+    batch_fed: int
     received_ns: int
     sent_ns: int
-    def __init__(self, call_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., extra_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., batch_size: _Optional[int] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_specserve_pb2.TokenLogprob, _Mapping]]] = ..., batch_tokens: _Optional[int] = ..., queue_rows: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, call_id: _Optional[int] = ..., num_accepted: _Optional[int] = ..., extra_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., cache_miss: _Optional[bool] = ..., repair: _Optional[_Union[CacheRepair, _Mapping]] = ..., batch_size: _Optional[int] = ..., replica: _Optional[str] = ..., error: _Optional[str] = ..., compute_us: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_specserve_pb2.TokenLogprob, _Mapping]]] = ..., batch_tokens: _Optional[int] = ..., queue_rows: _Optional[int] = ..., batch_fed: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("rows",)
