@@ -83,6 +83,7 @@ MIN_STEP = 0.1  # the moving estimate never weighs a new observation less than t
 POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its requests' rounds)
 DRAFT_PROFILE_WEIGHT = 4  # observations per point of a drafter's start-up profile
 HYSTERESIS = 0.03  # a batch's shared plan changes only for a better score by this much
+CATCH_UP = 0.10  # and to the draft model from another plan by this much more (see in_batch)
 PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that find a match
 MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time replaces
 # the model's prediction (``CostModel.round_s``)
@@ -91,6 +92,7 @@ MEASURED_WINDOW = 4  # a plan's measured time is the median of its last this man
 PREFILL_FED = 8  # a target step that fed more positions than its rows' drafts and next
 # tokens by more than this had a prefill or a cache rebuild in it: not a decoding round
 LOAD_STEP = 0.2  # a batch's plan is scored at its rows smoothed over ~1 / LOAD_STEP rounds
+STALL = 3.0  # an online time above this many times the fit's prediction counts as this much
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate; a search over a long context costs ~0.2 ms of router time)
 
@@ -147,6 +149,17 @@ class _Fit:
         self.xtx = self.xtx * self.decay + np.outer(v, v)
         self.xty = self.xty * self.decay + v * seconds
         self._theta = None
+
+    def learn(self, x: Sequence[float], seconds: float) -> None:
+        """``observe`` an online time, clipped at ``STALL`` times the prediction: a stall of
+        the shared machine (a drafter catching up a whole batch's contexts takes the
+        target's CPUs; a pause) is not what a forward costs, and one 1 s point among 30 ms
+        ones moved the least squares' intercept to seconds, which priced every plan not
+        measured lately at seconds and flipped the batch to the one that was. A real rise
+        still gets through, by ``STALL`` x at a time."""
+        if self.known:
+            seconds = min(seconds, STALL * max(self.predict(x, 0.0), 1e-4))
+        self.observe(x, seconds)
 
     @property
     def known(self) -> bool:
@@ -352,13 +365,13 @@ class CostModel:
         verify = v.call.compute_s or o.verify_s  # in process: no replica reports compute
         tokens = v.batch_tokens or v.batch_size * (o.drafted + 1)
         if v.batch_size > 0 and verify > 0 and decoding(v):
-            self.verify.observe((v.batch_size, tokens - v.batch_size), verify)
+            self.verify.learn((v.batch_size, tokens - v.batch_size), verify)
         compute = (o.proposal.call.compute_s or o.propose_s) if o.drafted else 0.0
         if p == "draft" and o.drafted and compute > 0:
             # the rows that drafted with this one: the batch's drafts over this row's k
             drafting = min(max(v.batch_size, 1), max(1, round((tokens - v.batch_size)
                                                               / o.drafted)))
-            self.draft.observe((drafting,), compute / o.drafted)
+            self.draft.learn((drafting,), compute / o.drafted)
         if p is not None and o.drafted:
             fixed = o.propose_s - (compute if p == "draft" else 0.0)
             if p == "ngram" and (hops := o.proposal.call.hops()):  # not its wait behind
@@ -467,8 +480,13 @@ class GoodputPolicy:
         the others would lengthen every row. So the batch's proposer and k are decided on
         what all its rows see alike, the router's pooled acceptance and lookup match rate,
         the shared costs and the batch's rows, and kept until another plan scores
-        ``HYSTERESIS`` better. Prompt lookup is a candidate too: every row asks (a drafter
-        call, so the rows stay in step) and those with a match propose."""
+        ``HYSTERESIS`` better, or ``HYSTERESIS + CATCH_UP`` for a change to the draft model:
+        its cache is fed only where it drafts, so after rounds of lookup or none it first
+        catches up every row's new tokens, a prefill of the whole batch's that no plan's
+        score has (under load it took the target's CPUs too, and the batch flipped between
+        lookup and draft model every few seconds, each flip paying it). Prompt lookup is a
+        candidate too: every row asks (a drafter call, so the rows stay in step) and those
+        with a match propose."""
         c = self.cost
         others = max(1, round(c.load)) - 1  # the rows it shares, not the last step's cohort
         plans = [(None, 0), *((p, k) for p in ("draft", "ngram")[not self.has_drafter:]
@@ -476,7 +494,8 @@ class GoodputPolicy:
         scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}
         best = max(plans, key=lambda plan: scores[plan][0])
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
-        if scores[best][0] > scores[current][0] * (1 + HYSTERESIS):
+        margin = HYSTERESIS + CATCH_UP * (best[0] == "draft" != current[0])
+        if scores[best][0] > scores[current][0] * (1 + margin):
             c.batch_plan = current = best
         proposer, k = current[0], min(current[1], k_cap)
         if k > 0:

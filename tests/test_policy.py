@@ -643,3 +643,37 @@ def test_a_step_with_another_rows_prefill_is_not_a_plans_cost():
         policy.observe(st, replace(o, verdict=replace(o.verdict, batch_fed=fed)))
     assert policy.cost.round_s("draft", 2, 2, 1.0) == pytest.approx(0.03)
     assert policy.cost.verify_s(2, 6) < 0.1
+
+
+def test_one_stalled_forward_does_not_price_every_plan_at_a_stall():
+    """A stall (the drafter catching up a whole batch takes the target's CPUs) among steady
+    forwards: the verify fit's prediction stays near the steady time, so plans priced by
+    the model (not measured lately) are not all priced at seconds at once (seen: 1.2 s
+    predictions after one such step, and the batch flipped to the one measured plan)."""
+    cost = CostModel()
+    for i in range(30):
+        o = outcome(Plan(None, 0, "off"), 0, batch_size=4 + i % 3, verify_s=0.03 + 0.004 * (i % 3))
+        cost.observe(o)
+    steady = cost.verify_s(4, 4)
+    cost.observe(outcome(Plan(None, 0, "off"), 0, batch_size=4, verify_s=1.2))
+    assert steady == pytest.approx(0.03, rel=0.2)
+    assert cost.verify_s(4, 4) < 1.25 * steady
+
+
+@pytest.mark.parametrize("challenger, better, switches", [
+    (("ngram", 3), 1.05, True), ((None, 0), 1.05, True),  # a lookup's k, or none: 3 %
+    (("draft", 2), 1.05, False), (("draft", 2), 1.2, True)])  # the draft model: its catch-up
+def test_a_batch_turns_to_the_draft_model_only_for_more_than_its_catch_up(
+        challenger, better, switches):
+    """A batch on prompt lookup changes plan for a score better by HYSTERESIS, but turns to
+    the draft model only for HYSTERESIS + CATCH_UP: the draft model's cache is fed only
+    where it drafts, so its first round after a stretch without it prefills every row's new
+    tokens, which no plan's score has."""
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    policy.cost.rows, policy.cost.load, policy.cost.batch_plan = 4, 4.0, ("ngram", 4)
+    table = {("ngram", 4): 100.0, challenger: 100.0 * better}
+    policy.score = lambda p, k, others, *a, **kw: (table.get((p, k), 50.0),  # type: ignore
+                                                   Plan(p, k, "goodput"))
+    plan = policy.in_batch(K)
+    assert ((plan.proposer if plan.k else None, plan.k) == challenger) == switches
+    assert policy.cost.batch_plan == (challenger if switches else ("ngram", 4))
