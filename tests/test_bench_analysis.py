@@ -82,6 +82,35 @@ def test_repeated_levels_interleave_and_report_the_median_run():
         {n: {"aggregate_tokens_per_s": r["aggregate_tokens_per_s"]} for n, r in level.items()})
 
 
+def test_run_noise_and_what_a_matched_controller_reads_repeat_by_repeat():
+    """One run's spread is pooled from the repeats of each configuration at each level; a
+    controller exactly as fast as the best fixed configuration reads auto / best fixed of
+    about 1 with no noise, and below 1 (often below 0.97) with this machine's: the best
+    fixed one, repeat by repeat, is the best of several noisy runs."""
+    import math
+
+    from specserve.bench.analysis import matched_auto, run_noise
+    from specserve.bench.suite import _noise_lines
+
+    def row(*runs: float) -> dict:
+        return {"aggregate_tokens_per_s": sorted(runs)[len(runs) // 2],
+                "aggregate_tokens_per_s_runs": list(runs)}
+
+    levels = {"1": {"off": row(100.0, 110.0), "draft_k2": row(50.0, 55.0)},
+              "4": {"off": row(80.0, 88.0), "auto": row(90.0, 99.0)}}
+    assert run_noise(levels) == pytest.approx(math.log(1.1) / math.sqrt(2))
+    assert run_noise({"1": {"off": {"aggregate_tokens_per_s_runs": [100.0]}}}) is None
+    two = {"off": row(100.0, 100.0), "draft_k2": row(120.0, 120.0),
+           "ngram_k4": row(120.0, 120.0), "auto": row(120.0, 120.0)}
+    assert matched_auto(two, 1e-6) == {"median": 1.0, "at_least_0_97": 1.0}
+    noisy = matched_auto(two, 0.066)  # two equal best fixed configurations, 6.6 % a run
+    assert 0.94 < noisy["median"] < 0.98 and 0.35 < noisy["at_least_0_97"] < 0.6
+    assert matched_auto(two, 0.066) == noisy  # seeded
+    lines = _noise_lines({"run_sigma": 0.066, "matched_auto": {"4": noisy}}, ["4"])
+    assert lines[0].startswith("| ... if auto = best fixed | 0.9") and "6.6 %" in lines[2]
+    assert _noise_lines(None, ["4"]) == []
+
+
 def test_validate_report_finds_problems():
     assert validate_report({"schema": "x"})  # many problems
     ok = {"schema": SCHEMA, "pair": {}, "settings": {}, "mismatches": {}, "verdicts": {},

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 SCHEMA = "specserve.bench/v1"
 FINE_LEVELS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # `--concurrency fine`: exposes thresholds
@@ -86,6 +89,39 @@ def level_winners(level: Mapping[str, Mapping]) -> dict:
             pairs = zip(runs["auto"], runs[best_fixed], strict=True)
             out["auto_vs_best_fixed_runs"] = [round(a / max(b, 1e-9), 3) for a, b in pairs]
     return out
+
+
+def run_noise(levels: Mapping[str, Mapping[str, Mapping]]) -> float | None:
+    """How far one run's tokens/s strays on this machine: the pooled standard deviation of
+    log tokens/s between the repeats of each configuration at each level (None without
+    repeats). 0.066 is 6.6 % a run."""
+    squares, dof = 0.0, 0
+    for level in levels.values():
+        for row in level.values():
+            logs = [math.log(x) for x in row.get("aggregate_tokens_per_s_runs") or [] if x > 0]
+            if len(logs) > 1:
+                mean = sum(logs) / len(logs)
+                squares += sum((x - mean) ** 2 for x in logs)
+                dof += len(logs) - 1
+    return math.sqrt(squares / dof) if dof else None
+
+
+def matched_auto(level: Mapping[str, Mapping], sigma: float, draws: int = 20000,
+                 seed: int = 0) -> dict[str, float]:
+    """What ``auto_vs_best_fixed_runs`` reads for a controller exactly as fast as the best
+    fixed configuration, when every run strays by lognormal noise ``sigma``: the median
+    ratio and the share of repeats at >= 0.97 (seeded Monte Carlo, the fixed configurations
+    at their median tokens/s). Repeat by repeat the best fixed one is the best of several
+    noisy runs, so even that controller reads below 1 and often below 0.97: the yardstick
+    for a sweep's per-repeat ratios."""
+    rng = np.random.default_rng(seed)
+    fixed = np.log([float(row["aggregate_tokens_per_s"]) for name, row in level.items()
+                    if name != "auto"])
+    auto = fixed.max() + rng.normal(0.0, sigma, draws)
+    best = (fixed[None, :] + rng.normal(0.0, sigma, (draws, len(fixed)))).max(axis=1)
+    ratio = np.exp(auto - best)
+    return {"median": round(float(np.median(ratio)), 3),
+            "at_least_0_97": round(float((ratio >= 0.97).mean()), 3)}
 
 
 def validate_report(report: Mapping) -> list[str]:

@@ -29,6 +29,8 @@ from specserve.bench.analysis import (
     find_mismatches,
     ideal_speedup,
     level_winners,
+    matched_auto,
+    run_noise,
     verdict,
 )
 from specserve.bench.service import _free_port, _level, _one, _pct
@@ -127,6 +129,16 @@ def _with_cost_model(service: Any, run: Callable[[dict], dict], cfg: dict) -> di
     return row
 
 
+def _noise(levels: dict[str, dict]) -> dict | None:
+    """With repeats: one run's spread on this machine, and per level what auto / best fixed
+    would read repeat by repeat for a controller as fast as the best fixed configuration."""
+    sigma = run_noise(levels)
+    if sigma is None:
+        return None
+    return {"run_sigma": round(sigma, 4), "matched_auto": {
+        c: matched_auto(level, sigma) for c, level in levels.items() if "auto" in level}}
+
+
 def _label(cls: str) -> str:
     """A workload class name as a request's ``workload`` ([A-Za-z0-9_.-], at most 32)."""
     return re.sub(r"[^A-Za-z0-9_.-]", "-", cls)[:32] or "custom"
@@ -192,6 +204,8 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
                     body.setdefault("winners", {})[str(c)] = level_winners(level)
                     report["classes"][cls] = body
                     _checkpoint(report, out_dir)  # an interrupted run keeps its levels
+                if (noise := _noise(body["levels"])) is not None:
+                    body["noise"] = noise
                 if poisson_rate:
                     body["open_loop"] = {name: _open_loop(client, prompts, cfg, poisson_rate,
                                                           requests_per_level)
@@ -284,6 +298,7 @@ def summary_markdown(report: dict) -> str:
                 lines.append("| ... per repeat | " + " | ".join(
                     ", ".join(f"{x:.2f}" for x in w["auto_vs_best_fixed_runs"]) for w in won)
                     + " |")
+            lines += _noise_lines(body.get("noise"), levels)
             worst = min(won, key=lambda w: w["auto_vs_best_fixed"])
             lines += ["", f"auto: at worst {worst['auto_vs_best_fixed']:.2f}x the best fixed "
                       f"configuration and {min(w['auto_vs_off'] for w in won):.2f}x spec-off "
@@ -301,6 +316,20 @@ def summary_markdown(report: dict) -> str:
                 f"{k} {v['tokens_per_s']:.1f} tok/s" for k, v in b.items())]
         lines.append("")
     return "\n".join(lines)
+
+
+def _noise_lines(noise: dict | None, levels: list[str]) -> list[str]:
+    """The per-repeat yardstick (``_noise``) as a table row and what it means."""
+    if not noise or set(noise["matched_auto"]) != set(levels):
+        return []
+    m = noise["matched_auto"]
+    return ["| ... if auto = best fixed | " + " | ".join(
+        f"{m[c]['median']:.2f} ({100 * m[c]['at_least_0_97']:.0f} % >= 0.97)" for c in levels)
+        + " |", "", f"One run's tokens/s strays by {100 * noise['run_sigma']:.1f} % here (the "
+        "spread between repeats); the last row is what auto / best fixed would read repeat "
+        "by repeat for a controller exactly as fast as the best fixed configuration (median, "
+        "and the share of repeats at >= 0.97): the best fixed one is the best of several "
+        "noisy runs."]
 
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:
