@@ -257,7 +257,14 @@ class CostModel:
     call_s: dict[str, float] = field(default_factory=dict)  # proposer -> fixed call time
     overhead_s: float = 0.0
     profiled: int = 0  # points seeded from replicas' start-up profiles
-    # every request's rounds together, per proposer: what a batch's rows decide on together
+    # every request's rounds together, per proposer: what a batch's rows decide on together.
+    # An unbiased sample of the rows: prompt lookup's from every round that searched it
+    # (chosen or not, ``shadow_acceptance``); the draft model's only from rounds whose plan
+    # the batch decided, all its rows drafting. A row alone chooses its proposer by its own
+    # acceptance, so it drafts with the model where the lookup found nothing to repeat, the
+    # harder text: its rounds had the pooled draft acceptance at 0.47 where the fixed
+    # draft model's rounds implied ~0.63, and batches seldom tried the draft model
+    # (greedy rows only: a sampled row's acceptance, min(1, p/q), is another quantity)
     pooled: dict[str, Acceptance] = field(default_factory=lambda: {
         p: Acceptance([PRIOR_ACCEPTANCE[p]] * MAX_K, POOLED_STEP) for p in PROPOSERS})
     # the share of prompt lookups that found a match, over the rounds that searched without
@@ -402,6 +409,7 @@ class GoodputPolicy:
         self.idle = 0  # rounds alone in a row at k = 0 because speculating did not pay
         self.batch_rounds = 0  # rounds in a batch (every LOOKUP_EVERY-th searches)
         self.blind_lookup = False  # this round's plan is the batch's prompt lookup
+        self.batched = False  # this round's plan is the batch's (``in_batch``)
         self.shadow: list[int] | None = None  # this round's lookup match, when searched
         self.last_plan: tuple[str | None, int] | None = None  # the round before's
 
@@ -443,7 +451,7 @@ class GoodputPolicy:
         return plan
 
     def choose(self, state: RequestState) -> Plan:
-        self.blind_lookup, self.shadow = False, None
+        self.blind_lookup, self.shadow, self.batched = False, None, False
         if state.spec == "off":
             return Plan(None, 0, "drafter_unavailable") \
                 if state.stats.speculation_disabled_reason else NO_SPECULATION
@@ -457,6 +465,7 @@ class GoodputPolicy:
             if self.batch_rounds % LOOKUP_EVERY == 0:
                 self.shadow = propose_ngram(state.committed, k_cap, *self.ngram_n)
                 self.cost.saw_lookup(bool(self.shadow))
+            self.batched = True
             return self.in_batch(k_cap)
         cands = self.candidates(state, k_cap)
         if not cands:
@@ -492,11 +501,11 @@ class GoodputPolicy:
         plans = [(None, 0), *((p, k) for p in ("draft", "ngram")[not self.has_drafter:]
                               for k in range(1, self.k_max + 1))]
         scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}
-        best = max(plans, key=lambda plan: scores[plan][0])
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
-        margin = HYSTERESIS + CATCH_UP * (best[0] == "draft" != current[0])
-        if scores[best][0] > scores[current][0] * (1 + margin):
-            c.batch_plan = current = best
+        better = [plan for plan in plans if scores[plan][0] > scores[current][0] * (
+            1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0]))]
+        if better:  # the best of those that clear their margin
+            c.batch_plan = current = max(better, key=lambda plan: scores[plan][0])
         proposer, k = current[0], min(current[1], k_cap)
         if k > 0:
             self.blind_lookup = proposer == "ngram"
@@ -533,7 +542,8 @@ class GoodputPolicy:
             self.cost.pooled["ngram"].observe(drafted, accepted)
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)
-            self.cost.pooled[p].observe(o.drafted, o.decision.num_accepted)
+            if self.batched or p == "ngram":  # see ``CostModel.pooled``
+                self.cost.pooled[p].observe(o.drafted, o.decision.num_accepted)
             tried, acc = self.counts[p]
             for i in range(min(o.drafted, o.decision.num_accepted + 1, self.k_max)):
                 tried[i] += 1

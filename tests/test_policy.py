@@ -677,3 +677,37 @@ def test_a_batch_turns_to_the_draft_model_only_for_more_than_its_catch_up(
     plan = policy.in_batch(K)
     assert ((plan.proposer if plan.k else None, plan.k) == challenger) == switches
     assert policy.cost.batch_plan == (challenger if switches else ("ngram", 4))
+
+
+def test_the_pooled_draft_acceptance_learns_from_batch_rounds_not_from_rows_alone():
+    """A row alone picks its proposer by its own acceptance: it drafts with the model where
+    the prompt lookup finds nothing, the harder text, a biased sample of the traffic. So
+    only rounds whose plan the batch decided (every row drafting) teach the pooled draft
+    acceptance a batch decides on; a sampled row's (min(1, p/q)) never does."""
+    from specserve.policy import PRIOR_ACCEPTANCE
+
+    cost = CostModel()
+    prior = [PRIOR_ACCEPTANCE["draft"]] * K
+    alone = GoodputPolicy(cost, K, has_drafter=True)
+    run_history(alone, state(), accept=lambda k: 0, rounds=6)  # NO_MATCH: the model drafts
+    sampled = GoodputPolicy(cost, K, has_drafter=True)
+    run_history(sampled, state(temperature=0.8), accept=lambda k: 0, rounds=4)
+    assert cost.pooled["draft"].alpha[:K] == prior and alone.acceptance["draft"].alpha != prior
+    cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("draft", 2)
+    batch = GoodputPolicy(cost, K, has_drafter=True)
+    plan = batch.choose(state())
+    assert plan.proposer == "draft" and batch.batched
+    batch.observe(state(), outcome(plan, plan.k, batch_size=4))
+    assert cost.pooled["draft"].alpha[0] > prior[0]
+
+
+def test_a_batch_takes_the_best_plan_that_clears_its_margin():
+    """The draft model scoring best but not by its catch-up's margin does not keep the batch
+    on a lookup that another plan beats by more than HYSTERESIS (seen: a batch stuck on a
+    lookup that no longer matched, the draft model 10 % better, nobody proposing 5 %)."""
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    policy.cost.rows, policy.cost.load, policy.cost.batch_plan = 4, 4.0, ("ngram", 4)
+    table = {("ngram", 4): 100.0, ("draft", 2): 110.0, (None, 0): 105.0}
+    policy.score = lambda p, k, others, *a, **kw: (table.get((p, k), 50.0),  # type: ignore
+                                                   Plan(p, k, "goodput"))
+    assert policy.in_batch(K).k == 0 and policy.cost.batch_plan == (None, 0)
