@@ -138,7 +138,8 @@ class _Fit:
     decay: float = 0.98
     xtx: np.ndarray = field(init=False)
     xty: np.ndarray = field(init=False)
-    _theta: np.ndarray | None = field(default=None, init=False)
+    _theta: np.ndarray | None = field(default=None, init=False)  # the last solved
+    _fresh: bool = field(default=False, init=False)  # _theta includes every observation
 
     def __post_init__(self) -> None:
         n = len(self.rel) + 1
@@ -148,7 +149,7 @@ class _Fit:
         v = np.array([1.0, *x])
         self.xtx = self.xtx * self.decay + np.outer(v, v)
         self.xty = self.xty * self.decay + v * seconds
-        self._theta = None
+        self._fresh = False
 
     def learn(self, x: Sequence[float], seconds: float) -> None:
         """``observe`` an online time, clipped at ``STALL`` times the prediction: a stall of
@@ -156,9 +157,11 @@ class _Fit:
         target's CPUs; a pause) is not what a forward costs, and one 1 s point among 30 ms
         ones moved the least squares' intercept to seconds, which priced every plan not
         measured lately at seconds and flipped the batch to the one that was. A real rise
-        still gets through, by ``STALL`` x at a time."""
-        if self.known:
-            seconds = min(seconds, STALL * max(self.predict(x, 0.0), 1e-4))
+        still gets through, by ``STALL`` x at a time. The prediction is the last solved
+        one (a round's observations come between two solves; solving again for each
+        would double the fit's cost on the router)."""
+        if self._theta is not None:
+            seconds = min(seconds, STALL * max(float(self._theta @ np.array([1.0, *x])), 1e-4))
         self.observe(x, seconds)
 
     @property
@@ -173,8 +176,8 @@ class _Fit:
         return float(self.coef() @ v)
 
     def coef(self) -> np.ndarray:
-        if self._theta is None:
-            self._theta = self._solve()
+        if self._theta is None or not self._fresh:
+            self._theta, self._fresh = self._solve(), True
         return self._theta
 
     def _solve(self) -> np.ndarray:
