@@ -504,20 +504,21 @@ def _router_rss_hwm(app: str) -> tuple[int, int]:
     return kb["VmRSS"] * 1024, kb["VmHWM"] * 1024
 
 
-def test_huge_inputs_are_refused_fast_and_cheaply(service):
+def test_huge_inputs_are_refused_before_the_work(service):
     """A 32 MiB prompt is refused by the gRPC proxy's message limit (4 MiB) before any of it
     reaches the router; a 1 MiB one (under the message limit) by the router's byte limit,
-    before tokenizing. Times are the client's, with the request serialized beforehand: a
-    bare grpc server that refuses a 32 MiB message takes 120-240 ms here too (the transfer
-    over loopback), so the 32 MiB bound below is 0.5 s; the service adds no work to it."""
+    before tokenizing. Which check refused each is read from the status details; that the
+    refusals did no work shows in the router's memory. Times are printed, not asserted
+    (a 32 MiB transfer over loopback alone takes 120-900 ms on a loaded 2-core machine)."""
     from specserve.client import Client, SpecServeError
 
     app = "specserve"
     with Client(service.grpc_address, timeout=60) as c:
         c.generate("warm up", max_tokens=1)
         rss0, hwm0 = _router_rss_hwm(app)
-        for size, code, bound in ((32 << 20, grpc.StatusCode.RESOURCE_EXHAUSTED, 0.5),
-                                  (1 << 20, grpc.StatusCode.INVALID_ARGUMENT, 0.1)):
+        for size, code, says in ((32 << 20, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than"),
+                                 (1 << 20, grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"prompt: {1 << 20} bytes, at most")):
             payload = pb.GenerateRequest(prompt="a" * size, max_tokens=1).SerializeToString()
             took = []
             for _ in range(3):
@@ -526,9 +527,9 @@ def test_huge_inputs_are_refused_fast_and_cheaply(service):
                     _raw(service.grpc_address, UNARY, payload, [], app=app)
                 took.append(time.perf_counter() - t0)
                 assert e.value.code() == code, e.value
+                assert says in (e.value.details() or ""), e.value.details()
             print(f"\n{size >> 20} MiB prompt: {code.name} in "
                   f"{', '.join(f'{t * 1000:.0f}' for t in took)} ms")
-            assert min(took) < bound
         rss1, hwm1 = _router_rss_hwm(app)
         print(f"router RSS {rss0 >> 20} -> {rss1 >> 20} MiB, peak {hwm0 >> 20} -> "
               f"{hwm1 >> 20} MiB")
