@@ -261,7 +261,7 @@ def make_router(cfg: AppConfig, drafter_handle: Any, target_handle: Any) -> Any:
         RouterConfig(max_context=mcfg.max_position_embeddings, eos_token_id=tok.eos_token_id,
                      vocab_size=mcfg.vocab_size, call_timeout_s=r.call_timeout_s,
                      target_retries=r.target_retries, max_concurrent=r.max_concurrent,
-                     drafter_lease_s=r.drafter_lease_s),
+                     drafter_lease_s=r.drafter_lease_s, round_log=r.round_log),
         drafters=(ServeLeasePool(drafter_handle, "drafter", sec.data_plane_secret,
                                  sec.max_internal_message_bytes) if m.drafter else None),
         targets=ServeLeasePool(target_handle, "target", sec.data_plane_secret,

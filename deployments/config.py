@@ -132,6 +132,10 @@ class RouterOptions(BaseModel):
                                   "it INVALID_ARGUMENT")
     journal_ttl_s: int = Field(3600, ge=10, le=7 * 86400, description="how long a request's "
                                "journal entry (its committed tokens) is kept for resumes")
+    round_log: str | None = Field(None, min_length=1, description="diagnosis: a file on the "
+                                  "router's node to append one JSON line per round to (plan, "
+                                  "times, the target step's rows and fed positions; "
+                                  "bench/round_costs.py reads it); null: off")
 
 
 _THREADS = ("intra-op torch threads per replica; null: the replica's scaling.num_cpus "

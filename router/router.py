@@ -56,7 +56,7 @@ from specserve.errors import (
     RequestError,
     Unavailable,
 )
-from specserve.observers import MetricsObserver, RoundTiming, TracingObserver
+from specserve.observers import MetricsObserver, RoundLog, RoundTiming, TracingObserver
 from specserve.policy import CostModel, GoodputPolicy, policy_for
 from specserve.resume import CALLER_ANONYMOUS, ResumePoint, derive_seed, request_digest
 from specserve.resume import tokens_digest as held_digest
@@ -98,6 +98,7 @@ class RouterConfig:
     target_retries: int = 8  # reconnect attempts, backing off 0.25 s .. 4 s (~20 s in all)
     drafter_lease_s: float = 2.0  # longest wait for a drafter lease (a pool at 0 replicas)
     max_concurrent: int = 256  # per router replica; beyond -> RESOURCE_EXHAUSTED
+    round_log: str | None = None  # a file to append one JSON line per round to (diagnosis)
 
 
 @dataclass
@@ -318,6 +319,7 @@ class Router:
         self.cost = CostModel()  # spec=auto: verify / draft / overhead times of its rounds
         self.priors = priors or PriorStore(None)  # spec=auto: the fleet's acceptance
         self._calibration: asyncio.Task | None = None  # replicas' profiles -> cost model
+        self.round_log = RoundLog(config.round_log) if config.round_log else None
 
     async def generate(self, req: GenerationRequest, request_id: str | None = None,
                        parent: Context | None = None,
@@ -355,6 +357,8 @@ class Router:
                 "specserve.temperature": req.temperature}))
         if self.metrics is not None:
             observers.append(MetricsObserver(self.metrics))
+        if self.round_log is not None:
+            observers.append(self.round_log)
         return Observers(*observers)
 
     def _state(self, req: GenerationRequest, request_id: str,

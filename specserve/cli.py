@@ -232,17 +232,37 @@ def _names(flag: str, value: str | None) -> list[str] | None:
     return out
 
 
+def _started_service_config(args: argparse.Namespace) -> dict | None:
+    """What ``--draft-ahead`` and ``--round-log`` add to the config of the service the bench
+    starts (a running one, ``--server``, has its own)."""
+    starts = (args.service or args.suite) and not args.server
+    cfg: dict = {}
+    if args.draft_ahead is not None:
+        if not starts:
+            raise UsageError("--draft-ahead: only with --service or --suite starting the "
+                             "service (a running one, --server, has its own "
+                             "drafter.draft_ahead setting)")
+        if not 0 <= args.draft_ahead <= 4:
+            raise UsageError(f"--draft-ahead: GUESSES must be 1-4, got {args.draft_ahead}")
+        cfg["drafter"] = {"draft_ahead": True, **({"draft_ahead_guesses": args.draft_ahead}
+                                                   if args.draft_ahead else {})}
+    if args.round_log is not None:
+        if not starts:
+            raise UsageError("--round-log: only with --service or --suite starting the "
+                             "service (a running one, --server, has its own "
+                             "router.round_log setting)")
+        path = Path(args.round_log).resolve()
+        if not path.parent.is_dir():
+            raise UsageError(f"--round-log: no directory {str(path.parent)!r}; create it or "
+                             "give another path")
+        cfg["router"] = {"round_log": str(path)}
+    return cfg or None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     out = product_stdout()  # the report's summary only; Ray's lines go to stderr
     quiet_libraries()
-    if args.draft_ahead is not None and (args.server or not (args.service or args.suite)):
-        raise UsageError("--draft-ahead: only with --service or --suite starting the service "
-                         "(a running one, --server, has its own drafter.draft_ahead setting)")
-    if args.draft_ahead is not None and not 0 <= args.draft_ahead <= 4:
-        raise UsageError(f"--draft-ahead: GUESSES must be 1-4, got {args.draft_ahead}")
-    ahead = None if args.draft_ahead is None else {"drafter": {
-        "draft_ahead": True, **({"draft_ahead_guesses": args.draft_ahead}
-                                if args.draft_ahead else {})}}
+    started = _started_service_config(args)
     if args.repeats != 1 and not args.suite:
         raise UsageError("--repeats: only with --suite")
     if args.concurrency is None:
@@ -275,7 +295,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args.server or local_service_starter(), args.target, args.drafter, levels,
             _int_list("--ks", args.ks) if args.ks else [2, 4], Path(args.out), classes=classes,
             requests_per_level=args.prompts, baselines=not args.no_hf,
-            poisson_rate=args.rate, only=only, app_config=ahead, repeats=args.repeats)
+            poisson_rate=args.rate, only=only, app_config=started, repeats=args.repeats)
         print((Path(args.out) / "summary.md").read_text(), file=out)
         return 0 if report["mismatches"]["total"] == 0 else 1
     if args.service or args.server:
@@ -289,7 +309,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             _int_list("--ks", args.ks) if args.ks else [2, 4], args.max_tokens,
             Path(args.out), requests_per_level=args.prompts,
             only=args.configs.split(",") if args.configs else None,
-            app_config=ahead)
+            app_config=started)
         print(json.dumps(summarize(report), indent=1), file=out)
         return 0
     from specserve.bench.single import run_single_process_bench
@@ -369,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "on, and GUESSES next tokens guessed per row if given (1-4; "
                             "from 2 each rejection is prepared too; compare with a run "
                             "without it: bench/draft_ahead.sh)")
+    bench.add_argument("--round-log", metavar="PATH",
+                       help="--service / --suite: start the service with router.round_log "
+                            "= PATH (one JSON line per round; bench/round_costs.py compares "
+                            "what the cost model measures with each run's tokens/s)")
     bench.add_argument("--suite", action="store_true",
                        help="the adoption benchmark: workload classes x concurrency x configs "
                             "+ HF/naive/engine baselines; report.json, outputs.jsonl, "

@@ -9,6 +9,9 @@ replicas' spans, via the W3C ``traceparent`` they return) and ``cache_repair``.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -254,3 +257,41 @@ class RoundTiming(Observer):
     def clear(self) -> None:
         for d in self.cols.values():
             d.clear()
+
+
+class RoundLog(Observer):
+    """One JSON line per round, appended to ``path`` (``router.round_log``; off by default):
+    what the cost model sees of a round and what it leaves out, for diagnosis offline
+    (``bench/round_costs.py``). Several router processes may append to one file: a line
+    is one ``write`` of an ``O_APPEND`` file. Fields: ``t`` (unix time at the round's end),
+    ``router`` (pid), ``request``, ``spec`` (requested mode), ``proposer``, ``k``,
+    ``reason``, ``drafted``, ``accepted``, ``tokens`` (committed), ``round_no``,
+    ``round_s``, ``propose_s``, ``verify_s``, ``gap_s``, ``rows`` / ``queued`` (the verify
+    reply's batch and the target's queue), ``batch_tokens`` / ``batch_fed`` (positions the
+    step verified / fed: more fed than verified is a prefill or a rebuild in the step),
+    ``fed`` (positions the drafter's or target's cache caught up for this row)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        except OSError as e:
+            raise ValueError(f"router.round_log: cannot append to {path!r} ({e.strerror}); "
+                             "give a writable file on the router's node") from None
+        self._pid = os.getpid()
+
+    def round_end(self, state: RequestState, o: RoundOutcome) -> None:
+        v = o.verdict
+        fed = max((r.fed for r in (o.proposal.repair, v.repair) if r is not None), default=0)
+        self._file.write(json.dumps({
+            "t": round(time.time(), 4), "router": self._pid, "request": state.request_id,
+            "spec": state.spec, "proposer": o.plan.proposer, "k": o.plan.k,
+            "reason": o.plan.reason, "drafted": o.drafted,
+            "accepted": o.decision.num_accepted, "tokens": len(o.tokens),
+            "round_no": o.round_no, "round_s": round(o.round_s, 6),
+            "propose_s": round(o.propose_s, 6), "verify_s": round(o.verify_s, 6),
+            "gap_s": round(o.gap_s, 6), "rows": v.batch_size, "queued": v.queue_rows,
+            "batch_tokens": v.batch_tokens, "batch_fed": v.batch_fed, "fed": fed}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

@@ -66,13 +66,14 @@ def test_repeated_levels_interleave_and_report_the_median_run():
         order.append(cfg["k"])
         i = sum(1 for k in order if k == cfg["k"]) - 1  # this config's repeat
         return {"aggregate_tokens_per_s": speed[cfg["k"]][i], "repeat": i,
-                "outputs": [[cfg["k"], i]]}
+                "window": [len(order), len(order) + 0.5], "outputs": [[cfg["k"], i]]}
 
     level, outs = _repeated_level(run, configs, 3)
     assert order == [0, 2, 4, 2, 4, 0, 4, 0, 2]  # each config in every position once
     assert level["off"]["aggregate_tokens_per_s"] == 100.0 and level["off"]["repeat"] == 0
     assert level["draft_k2"]["repeat"] == 0 and level["auto"]["repeat"] == 2
     assert level["auto"]["aggregate_tokens_per_s_runs"] == [140.0, 125.0, 135.0]
+    assert level["auto"]["windows_runs"] == [[3, 3.5], [5, 5.5], [7, 7.5]]  # repeat order
     assert outs["auto"] == [[4, 0], [4, 1], [4, 2]] and "outputs" not in level["auto"]
     w = level_winners(level)
     assert w["best_fixed"] == "draft_k2" and w["auto_vs_best_fixed"] == round(135 / 130, 3)
@@ -133,3 +134,33 @@ def test_workloads(tmp_path):
     path.write_text('{"prompt": ""}\n')
     with pytest.raises(WorkloadError, match=r"w\.jsonl:1"):
         load_jsonl(path)
+
+
+def test_round_costs_set_the_cost_models_view_beside_each_runs_tokens_per_s():
+    """A logged run's rounds by its window: tokens a round over the median of decoding
+    rounds, and over the mean of all rounds with their gaps, each against spec-off's."""
+    from specserve.bench.analysis import round_costs, round_time_estimates
+
+    def rnd(t, tokens, s, no=1, gap=0.0, fed=0, batch_fed=0, batch_tokens=4):
+        return {"t": t, "tokens": tokens, "round_s": s, "round_no": no, "gap_s": gap,
+                "fed": fed, "batch_fed": batch_fed, "batch_tokens": batch_tokens}
+
+    # spec-off: 1 token a round, 0.1 s decoding, one 1.0 s step that had a prefill in it
+    off = [rnd(1 + i / 10, 1, 0.1) for i in range(9)] + [rnd(2, 1, 1.0, batch_fed=300)]
+    # lookup: 2 tokens a round, 0.15 s decoding, a first round and a re-fed cache of 1.5 s
+    ngram = [rnd(11 + i / 10, 2, 0.15) for i in range(8)] + [
+        rnd(12, 2, 1.5, no=0), rnd(12.5, 2, 1.5, fed=200)]
+    est = round_time_estimates(off)
+    assert est == {"rounds": 10, "tokens_per_round": 1.0, "decoding_share": 0.9,
+                   "decoding_median_ms": 100.0, "all_rounds_mean_ms": 190.0}
+    assert round_time_estimates(ngram)["decoding_median_ms"] == 150.0
+    assert round_time_estimates([]) is None
+    levels = {"4": {"off": {"aggregate_tokens_per_s_runs": [10.0], "windows_runs": [[0, 5]]},
+                    "ngram_k4": {"aggregate_tokens_per_s_runs": [8.0],
+                                 "windows_runs": [[10, 13]]}}}
+    got = round_costs(levels, off + ngram + [rnd(50, 1, 9.0)])  # a round of no run
+    (row,) = got["4"]["ngram_k4"]
+    assert row["real"] == 0.8
+    assert row["decoding_median"] == round((2 / 0.15) / (1 / 0.1), 3)  # 1.333: looks better
+    assert row["all_rounds_mean"] == round((2 / 0.42) / (1 / 0.19), 3)  # 0.905: is not
+    assert round_costs({"4": {"off": {"aggregate_tokens_per_s_runs": [1.0]}}}, off) == {}

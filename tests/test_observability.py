@@ -253,6 +253,46 @@ def test_round_path_splits_each_call_into_hops_and_replica_time(builtin_pair):
             assert parts[0] + parts[2] < hold_s  # the hold is not a hop's
 
 
+def test_the_round_log_has_every_round_of_every_request(builtin_pair, tmp_path):
+    """``router.round_log``: one JSON line per round, whose counts add up to each request's
+    final stats, and which the bench's estimates read."""
+    from router.inprocess import start_inprocess
+    from specserve.bench.analysis import round_time_estimates
+    from specserve.observers import RoundLog
+
+    path = tmp_path / "rounds.jsonl"
+    reqs = {"log-draft": GenerationRequest(prompt=PROMPT, max_tokens=MAX_NEW, spec="draft", k=4),
+            "log-auto": GenerationRequest(prompt="class Stack:\n", max_tokens=16)}
+
+    async def go() -> dict[str, dict]:
+        svc = await start_inprocess(builtin_pair)
+        svc.router.round_log = RoundLog(str(path))
+        try:
+            async def one(rid: str) -> dict:
+                return [ch async for ch in svc.router.generate(reqs[rid], rid)][-1].stats
+            return dict(zip(reqs, await asyncio.gather(*map(one, reqs)), strict=True))
+        finally:
+            svc.router.round_log.close()
+            await svc.close()
+
+    stats = asyncio.run(go())
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for rid, st in stats.items():
+        mine = [r for r in lines if r["request"] == rid]
+        assert [r["round_no"] for r in mine] == list(range(st["rounds"]))
+        assert sum(r["tokens"] for r in mine) == st["output_tokens"]
+        assert sum(r["drafted"] for r in mine) == st["draft_tokens"]
+        assert sum(r["accepted"] for r in mine) == st["accepted_tokens"]
+        assert all(r["rows"] >= 1 and r["round_s"] > 0 for r in mine)
+        assert mine[0]["batch_fed"] >= st["prompt_tokens"]  # the prefill is in the first step
+        assert mine[0]["gap_s"] == 0 and all(r["gap_s"] > 0 for r in mine[1:])
+    assert {r["spec"] for r in lines} == {"draft", "auto"}
+    assert next(r["k"] for r in lines if r["request"] == "log-draft") == 4
+    est = round_time_estimates(lines)
+    assert est["rounds"] == len(lines) and 0 < est["decoding_share"] < 1
+    assert est["all_rounds_mean_ms"] > 0 and est["decoding_median_ms"] > 0
+
+
 def test_tracing_off_is_a_none_check():
     tracing.use_provider(None)
     assert tracing.tracer() is None

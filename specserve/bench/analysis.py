@@ -157,3 +157,57 @@ def plan_mix(stats: list[dict]) -> dict[str, dict[str, int]]:
                 total[str(key)] = total.get(str(key), 0) + n
         out[name] = dict(sorted(total.items()))
     return out
+
+
+def round_time_estimates(rounds: Sequence[Mapping]) -> dict | None:
+    """A run's rounds from a router's round log (``router.round_log``): tokens a round over
+    two round times, each a tokens/s estimate. ``decoding_median_ms``: the median of the
+    rounds spec=auto's cost model measures (not a request's first round, nor one whose
+    caches caught up more than 2 positions, nor one whose target step fed a prefill or a
+    rebuild: ``policy.PREFILL_FED``); ``all_rounds_mean_ms``: the mean of every round with
+    the gap before it, which is what a run's tokens/s comes from."""
+    from specserve.policy import PREFILL_FED
+
+    if not rounds:
+        return None
+    tokens = sum(r["tokens"] for r in rounds) / len(rounds)
+    decoding = [r["round_s"] for r in rounds if r["round_no"] > 0 and r["fed"] <= 2 and (
+        r["batch_fed"] == 0 or r["batch_fed"] <= r["batch_tokens"] + PREFILL_FED)]
+    return {"rounds": len(rounds), "tokens_per_round": round(tokens, 3),
+            "decoding_share": round(len(decoding) / len(rounds), 3),
+            "decoding_median_ms": round(1e3 * float(np.median(decoding)), 3) if decoding
+            else None,
+            "all_rounds_mean_ms": round(1e3 * float(np.mean(
+                [r["round_s"] + r["gap_s"] for r in rounds])), 3)}
+
+
+def round_costs(levels: Mapping[str, Mapping[str, Mapping]], records: Sequence[Mapping],
+                reference: str = "off") -> dict[str, dict[str, list[dict]]]:
+    """Per level and configuration, repeat by repeat: the run's real tokens/s and the two
+    estimates of ``round_time_estimates``, each against the reference configuration's in
+    the same repeat (a report's ``windows_runs`` say which logged rounds were whose)."""
+    def rate(est: dict | None, key: str) -> float | None:
+        return est["tokens_per_round"] / est[key] if est and est[key] else None
+
+    ts = np.array([r["t"] for r in records])
+    out: dict[str, dict[str, list[dict]]] = {}
+    for lvl, level in levels.items():
+        if reference not in level or "windows_runs" not in level[reference]:
+            continue
+        est = {name: [round_time_estimates(
+            [records[i] for i in np.flatnonzero((ts >= a) & (ts <= b))])
+            for a, b in row["windows_runs"]] for name, row in level.items()}
+        real = {name: row["aggregate_tokens_per_s_runs"] for name, row in level.items()}
+        for name in level:
+            if name == reference:
+                continue
+            rows = []
+            for i, e in enumerate(est[name]):
+                base = est[reference][i] if i < len(est[reference]) else None
+                row = {"real": round(real[name][i] / real[reference][i], 3)}
+                for key in ("decoding_median_ms", "all_rounds_mean_ms"):
+                    a, b = rate(e, key), rate(base, key)
+                    row[key.rsplit("_", 1)[0]] = round(a / b, 3) if a and b else None
+                rows.append(row)
+            out.setdefault(lvl, {})[name] = rows
+    return out

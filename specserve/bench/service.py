@@ -84,7 +84,7 @@ def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_re
                 errors.append(f"{e.code.name}: {e.details}")
             bar.update()
 
-    t0 = time.perf_counter()
+    t0, start = time.perf_counter(), time.time()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for _ in range(concurrency):
             pool.submit(worker)
@@ -126,6 +126,7 @@ def _level(client: Client, prompts: list[str], cfg: dict, concurrency: int, n_re
         "drafted_ahead_after_rejection": sum(r["stats"].get("drafted_ahead_after_rejection", 0)
                                              for r in done),
         "latencies_ms": [round(r["latency"] * 1000, 3) for r in done],
+        "window": [round(start, 3), round(time.time(), 3)],  # unix s: its rounds in a log
         "outputs": [r["tokens"] if r is not None else None for r in results],
     }
 

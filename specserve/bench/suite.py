@@ -103,9 +103,9 @@ def _repeated_level(run: Callable[[dict], dict], configs: list[tuple[str, dict]]
     configurations rotated by r, so each takes every position in turn and a slow spell of a
     shared machine falls on all of them, not on the one that happened to run then. A
     configuration's row is its median run (by aggregate tokens/s; the lower middle when
-    ``repeats`` is even) with every run's tokens/s in ``aggregate_tokens_per_s_runs`` (repeat
-    order). Returns the rows and each configuration's outputs of all runs, repeat after
-    repeat."""
+    ``repeats`` is even) with every run's tokens/s in ``aggregate_tokens_per_s_runs`` and its
+    wall-clock window (unix seconds) in ``windows_runs`` (repeat order). Returns the rows
+    and each configuration's outputs of all runs, repeat after repeat."""
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     for r in range(repeats):
         shift = r % len(configs)
@@ -116,7 +116,8 @@ def _repeated_level(run: Callable[[dict], dict], configs: list[tuple[str, dict]]
         outs[name] = [o for row in rows for o in row.pop("outputs")]
         tps = [row["aggregate_tokens_per_s"] for row in rows]
         level[name] = {**sorted(rows, key=lambda row: row["aggregate_tokens_per_s"])[
-            (len(rows) - 1) // 2], "aggregate_tokens_per_s_runs": tps}
+            (len(rows) - 1) // 2], "aggregate_tokens_per_s_runs": tps,
+            "windows_runs": [row["window"] for row in rows]}
     return level, outs
 
 
