@@ -264,8 +264,9 @@ class RoundLog(Observer):
     what the cost model sees of a round and what it leaves out, for diagnosis offline
     (``bench/round_costs.py``). Several router processes may append to one file: a line
     is one ``write`` of an ``O_APPEND`` file. Fields: ``t`` (unix time at the round's end),
-    ``router`` (pid), ``request``, ``spec`` (requested mode), ``proposer``, ``k``,
-    ``reason``, ``drafted``, ``accepted``, ``tokens`` (committed), ``round_no``,
+    ``router`` (pid), ``request``, ``spec`` (the mode in effect: off once speculation was
+    disabled), ``proposer``, ``k``, ``reason``, ``drafted``, ``accepted``, ``tokens``
+    (committed), ``round_no``,
     ``round_s``, ``propose_s``, ``verify_s``, ``gap_s``, ``rows`` / ``queued`` (the verify
     reply's batch and the target's queue), ``batch_tokens`` / ``batch_fed`` (positions the
     step verified / fed: more fed than verified is a prefill or a rebuild in the step),
