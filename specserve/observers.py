@@ -266,11 +266,10 @@ class RoundLog(Observer):
     is one ``write`` of an ``O_APPEND`` file. Fields: ``t`` (unix time at the round's end),
     ``router`` (pid), ``request``, ``spec`` (the mode in effect: off once speculation was
     disabled), ``proposer``, ``k``, ``reason``, ``drafted``, ``accepted``, ``tokens``
-    (committed), ``round_no``,
-    ``round_s``, ``propose_s``, ``verify_s``, ``gap_s``, ``rows`` / ``queued`` (the verify
-    reply's batch and the target's queue), ``batch_tokens`` / ``batch_fed`` (positions the
-    step verified / fed: more fed than verified is a prefill or a rebuild in the step),
-    ``fed`` (positions the drafter's or target's cache caught up for this row)."""
+    (committed), ``round_no``, ``round_s``, ``propose_s``, ``verify_s``, ``gap_s``,
+    ``rows`` / ``queued`` (the verify reply's batch and the target's queue),
+    ``batch_tokens`` / ``batch_fed`` (positions the step verified / fed: more fed than
+    verified is a prefill or a rebuild in the step), ``fed`` (``RoundOutcome.caught_up``)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -283,7 +282,6 @@ class RoundLog(Observer):
 
     def round_end(self, state: RequestState, o: RoundOutcome) -> None:
         v = o.verdict
-        fed = max((r.fed for r in (o.proposal.repair, v.repair) if r is not None), default=0)
         self._file.write(json.dumps({
             "t": round(time.time(), 4), "router": self._pid, "request": state.request_id,
             "spec": state.spec, "proposer": o.plan.proposer, "k": o.plan.k,
@@ -292,7 +290,7 @@ class RoundLog(Observer):
             "round_no": o.round_no, "round_s": round(o.round_s, 6),
             "propose_s": round(o.propose_s, 6), "verify_s": round(o.verify_s, 6),
             "gap_s": round(o.gap_s, 6), "rows": v.batch_size, "queued": v.queue_rows,
-            "batch_tokens": v.batch_tokens, "batch_fed": v.batch_fed, "fed": fed}) + "\n")
+            "batch_tokens": v.batch_tokens, "batch_fed": v.batch_fed, "fed": o.caught_up}) + "\n")
 
     def close(self) -> None:
         self._file.close()

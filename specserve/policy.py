@@ -70,7 +70,6 @@ from specserve.core.ngram import propose_ngram
 from specserve.rounds import NO_SPECULATION, FixedK, Plan, Policy, max_k
 
 if TYPE_CHECKING:
-    from specserve.contract import VerifyOutcome
     from specserve.rounds import RequestState, RoundOutcome
 
 PROPOSERS = ("draft", "ngram")
@@ -89,6 +88,8 @@ MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time 
 # the model's prediction (``CostModel.round_s``)
 MEASURED_STALE = 32  # a plan's measured time older than this many batch rounds expires
 MEASURED_WINDOW = 4  # a plan's measured time is the median of its last this many batch rounds
+STEADY_FED = 2  # a round whose caches fed more than its 1-2 committed tokens caught up
+# (a miss, rounds without the drafter): its time is not its plan's cost
 PREFILL_FED = 8  # a target step that fed more positions than its rows' drafts and next
 # tokens by more than this had a prefill or a cache rebuild in it: not a decoding round
 LOAD_STEP = 0.2  # a batch's plan is scored at its rows smoothed over ~1 / LOAD_STEP rounds
@@ -308,10 +309,9 @@ class CostModel:
         row's prefill in it (``decoding``: under load every arrival's prefill stalls the
         rows it joins, whatever their plan): those are not the plan's cost, and a plan
         priced too dear is not tried again until it expires."""
-        fed = max((r.fed for r in (o.proposal.repair, o.verdict.repair) if r is not None),
-                  default=0)
-        if o.verdict.batch_size <= 0 or o.round_s <= 0 or o.round_no == 0 or fed > 2 \
-                or not steady or not decoding(o.verdict):
+        v = o.verdict
+        if v.batch_size <= 0 or o.round_s <= 0 or not steady \
+                or not measurable(o.round_no, o.caught_up, v.batch_fed, v.batch_tokens):
             return
         self.ticks += 1
         b = _bucket(self.load)
@@ -374,7 +374,7 @@ class CostModel:
         v, p = o.verdict, o.plan.proposer
         verify = v.call.compute_s or o.verify_s  # in process: no replica reports compute
         tokens = v.batch_tokens or v.batch_size * (o.drafted + 1)
-        if v.batch_size > 0 and verify > 0 and decoding(v):
+        if v.batch_size > 0 and verify > 0 and decoding(v.batch_fed, v.batch_tokens):
             self.verify.learn((v.batch_size, tokens - v.batch_size), verify)
         compute = (o.proposal.call.compute_s or o.propose_s) if o.drafted else 0.0
         if p == "draft" and o.drafted and compute > 0:
@@ -553,12 +553,20 @@ class GoodputPolicy:
                 acc[i] += int(i < o.decision.num_accepted)
 
 
-def decoding(v: VerifyOutcome) -> bool:
-    """Whether a verify reply's target step was a round of decoding: it fed its rows'
-    drafts and next tokens (and a few catch-up ones), no prefill or cache rebuild, whose
-    cost (hundreds of positions) has nothing to do with the plans of the rows it stalled.
-    A replica of the release before reports no fed positions: taken as decoding."""
-    return v.batch_fed <= v.batch_tokens + PREFILL_FED or not v.batch_fed
+def decoding(batch_fed: int, batch_tokens: int) -> bool:
+    """Whether a verify reply's target step was a round of decoding: it fed (``batch_fed``)
+    its rows' drafts and next tokens (``batch_tokens``) and a few catch-up ones, no prefill
+    or cache rebuild, whose cost (hundreds of positions) has nothing to do with the plans of
+    the rows it stalled. A replica of the release before reports no fed positions: taken as
+    decoding."""
+    return batch_fed <= batch_tokens + PREFILL_FED or not batch_fed
+
+
+def measurable(round_no: int, caught_up: int, batch_fed: int, batch_tokens: int) -> bool:
+    """Whether a round's time can be its plan's cost (``CostModel._measure``, and the bench's
+    reading of a round log): not a request's first round, nor one whose caches caught up
+    more than ``STEADY_FED`` positions, nor one whose target step was no decoding step."""
+    return round_no > 0 and caught_up <= STEADY_FED and decoding(batch_fed, batch_tokens)
 
 
 def shadow_acceptance(match: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:

@@ -211,6 +211,13 @@ class RoundOutcome:
     def drafted(self) -> int:
         return len(self.proposal.draft_tokens)
 
+    @property
+    def caught_up(self) -> int:
+        """Positions the drafter's or the target's cache fed for this row beyond what they
+        held (the larger): 1-2 in a steady round, more after a miss or rounds away."""
+        return max((r.fed for r in (self.proposal.repair, self.verdict.repair)
+                    if r is not None), default=0)
+
 
 class Policy(Protocol):
     def choose(self, state: RequestState) -> Plan:

@@ -162,17 +162,16 @@ def plan_mix(stats: list[dict]) -> dict[str, dict[str, int]]:
 def round_time_estimates(rounds: Sequence[Mapping]) -> dict | None:
     """A run's rounds from a router's round log (``router.round_log``): tokens a round over
     two round times, each a tokens/s estimate. ``decoding_median_ms``: the median of the
-    rounds spec=auto's cost model measures (not a request's first round, nor one whose
-    caches caught up more than 2 positions, nor one whose target step fed a prefill or a
-    rebuild: ``policy.PREFILL_FED``); ``all_rounds_mean_ms``: the mean of every round with
-    the gap before it, which is what a run's tokens/s comes from."""
-    from specserve.policy import PREFILL_FED
+    rounds spec=auto's cost model measures (``policy.measurable``); ``all_rounds_mean_ms``:
+    the mean of every round with the gap before it, which is what a run's tokens/s comes
+    from."""
+    from specserve.policy import measurable
 
     if not rounds:
         return None
     tokens = sum(r["tokens"] for r in rounds) / len(rounds)
-    decoding = [r["round_s"] for r in rounds if r["round_no"] > 0 and r["fed"] <= 2 and (
-        r["batch_fed"] == 0 or r["batch_fed"] <= r["batch_tokens"] + PREFILL_FED)]
+    decoding = [r["round_s"] for r in rounds
+                if measurable(r["round_no"], r["fed"], r["batch_fed"], r["batch_tokens"])]
     return {"rounds": len(rounds), "tokens_per_round": round(tokens, 3),
             "decoding_share": round(len(decoding) / len(rounds), 3),
             "decoding_median_ms": round(1e3 * float(np.median(decoding)), 3) if decoding
