@@ -22,8 +22,9 @@ over the batch's last rounds (``CostModel.load``). A plan that has run lately at
 replaces time(k): the linear model misprices some plans (a draft's verify cost grows with
 the context; where the drafter and the target share CPUs, drafting slows the target's
 forward, which no term of the model has), so it proposes and the measurements decide
-(``CostModel.round_s``). Neither learns from a target step that had a prefill in it (a
-new request's prompt stalls the rows it joins, whatever their plan: ``decoding``).
+(``CostModel.round_s``). The fit does not learn from a target step that had a prefill in it
+(its time is no function of rows and drafts: ``decoding``); a plan's measured time does
+(per round, a plan that commits more tokens has more arrivals' prefills in its steps).
 
 Why the whole batch: the target's step waits for every row of its cohort, and the drafter
 serves the rows that draft together in one step, so drafting pays or costs per batch. A
@@ -87,9 +88,11 @@ PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that fi
 MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time replaces
 # the model's prediction (``CostModel.round_s``)
 MEASURED_STALE = 32  # a plan's measured time older than this many batch rounds expires
-MEASURED_WINDOW = 4  # a plan's measured time is the median of its last this many batch rounds
+MEASURED_WINDOW = 8  # a plan's measured time is the mean of its last this many batch rounds
 STEADY_FED = 2  # a round whose caches fed more than its 1-2 committed tokens caught up
 # (a miss, rounds without the drafter): its time is not its plan's cost
+RELAX_ROUNDS = 32  # a pooled acceptance not observed for this many batch rounds has gone
+# halfway back to its prior (``CostModel.relax``)
 PREFILL_FED = 8  # a target step that fed more positions than its rows' drafts and next
 # tokens by more than this had a prefill or a cache rebuild in it: not a decoding round
 LOAD_STEP = 0.2  # a batch's plan is scored at its rows smoothed over ~1 / LOAD_STEP rounds
@@ -113,6 +116,11 @@ class Acceptance:
             self.seen[i] += 1
             step = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), self.min_step)
             self.alpha[i] += step * (float(i < accepted) - self.alpha[i])
+
+    def relax(self, prior: float, w: float) -> None:
+        """Forget a share ``w`` of what was learned: each position moves that much of the way
+        back to ``prior`` (``CostModel.relax``)."""
+        self.alpha = [a + w * (prior - a) for a in self.alpha]
 
     def expected(self, k: int) -> float:
         """Expected committed tokens of a round with k drafts (accepted + the extra one)."""
@@ -196,10 +204,14 @@ class _Fit:
 
 @dataclass
 class _Measured:
-    """A plan's round times at one load: the median of its last rounds (a stall of a
-    shared machine, a round that waited on others, does not move it as it would a mean),
-    kept as each round is added (it is read for every plan scored, every round), how many
-    were measured, and the tick of the last."""
+    """A plan's round times at one load: the mean of its last rounds, each with the gap
+    before it (what a row's tokens/s is made of), kept as each round is added (it is read
+    for every plan scored, every round), how many were measured, and the tick of the last.
+    A mean, not a median: the long rounds (another request's prefill in the step, a wait
+    for the KV budget) are rare but much of the time under load, and their share per round
+    depends on the plan (a plan that commits more tokens a round finishes, and admits,
+    more requests a round). A median left them out and read speculation up to 30 % too
+    good at concurrency 2-16 (docs/benchmarks.md, the round log)."""
 
     times: deque[float]
     seconds: float = 0.0
@@ -208,7 +220,7 @@ class _Measured:
 
     def add(self, seconds: float, tick: int) -> None:
         self.times.append(seconds)
-        self.seconds = statistics.median(self.times)
+        self.seconds = statistics.fmean(self.times)
         self.n += 1
         self.tick = tick
 
@@ -271,6 +283,10 @@ class CostModel:
     # (greedy rows only: a sampled row's acceptance, min(1, p/q), is another quantity)
     pooled: dict[str, Acceptance] = field(default_factory=lambda: {
         p: Acceptance([PRIOR_ACCEPTANCE[p]] * MAX_K, POOLED_STEP) for p in PROPOSERS})
+    # A pooled estimate not observed for a while goes back towards its prior, so that a
+    # proposer the batches stopped choosing is tried again (``relax``)
+    pooled_at: dict[str, int] = field(default_factory=dict)  # proposer -> ``rounds`` then
+    rounds: int = 0  # rounds observed (every row's)
     # the share of prompt lookups that found a match, over the rounds that searched without
     # knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th and its lookup plans)
     lookup_match: float = PRIOR_MATCH
@@ -280,6 +296,24 @@ class CostModel:
     # (proposer, k, load bucket) -> what a plan's last rounds took there; see ``round_s``
     measured: dict[tuple[str | None, int, int], _Measured] = field(default_factory=dict)
     ticks: int = 0  # rounds measured
+
+    def observe_pooled(self, proposer: str, drafted: int, accepted: int) -> None:
+        self.pooled[proposer].observe(drafted, accepted)
+        self.pooled_at[proposer] = self.rounds
+
+    def relax(self) -> None:
+        """Move each pooled estimate not observed in the batch's last round back towards its
+        prior, by half over ``RELAX_ROUNDS`` batch rounds. The draft model's is observed only
+        where a batch drafts with it, so an unlucky start (two rejections put it at
+        [0.4, 0.6] where the fixed configuration's rounds implied [0.65, 0.60]) kept every
+        batch of a sweep off the draft model, at every load after, and nothing corrected
+        it. Relaxed, it comes back up to the prior, a batch tries it again, and its rounds
+        decide; where drafting does not pay, that is one short try every few dozen batch
+        rounds."""
+        w = 1.0 - 0.5 ** (1.0 / (RELAX_ROUNDS * max(1, self.rows)))  # per row's round
+        for p, acc in self.pooled.items():
+            if self.rounds - self.pooled_at.get(p, 0) > self.rows:
+                acc.relax(PRIOR_ACCEPTANCE[p], w)
 
     def saw_lookup(self, matched: bool) -> None:
         self.lookup_match = _ema(self.lookup_match, float(matched), 0.05)
@@ -301,17 +335,18 @@ class CostModel:
         return m.seconds
 
     def _measure(self, o: RoundOutcome, steady: bool) -> None:
-        """A round's time under its plan and load; not a request's first round (its
-        prefill), nor one whose drafter or target fed more than a round's 1-2 committed
-        tokens (catching up after rounds without the drafter, a cache miss), nor the first
-        round after the row's plan changed (the batch changes together, and its first
-        round waits for the rows that catch up), nor one whose target step had another
-        row's prefill in it (``decoding``: under load every arrival's prefill stalls the
-        rows it joins, whatever their plan): those are not the plan's cost, and a plan
-        priced too dear is not tried again until it expires."""
+        """A round's time with the gap before it, under its plan and load; not a request's
+        first round (its prefill), nor one whose drafter or target fed more than a round's
+        1-2 committed tokens (catching up after rounds without the drafter, a cache miss),
+        nor the first round after the row's plan changed (the batch changes together, and
+        its first round waits for the rows that catch up): those are not the plan's cost,
+        and a plan priced too dear is not tried again until it expires. A round whose
+        target step had another request's prefill in it is: arrivals come with finished
+        requests, so a plan that commits more tokens a round has more of them a round
+        (left out, they read speculation up to 30 % too good at concurrency 2-16)."""
         v = o.verdict
         if v.batch_size <= 0 or o.round_s <= 0 or not steady \
-                or not measurable(o.round_no, o.caught_up, v.batch_fed, v.batch_tokens):
+                or not measurable(o.round_no, o.caught_up):
             return
         self.ticks += 1
         b = _bucket(self.load)
@@ -319,7 +354,7 @@ class CostModel:
         m = self.measured.get(key)
         if m is None or self.ticks - m.tick > MEASURED_STALE * b:
             m = self.measured[key] = _Measured(deque(maxlen=max(8, MEASURED_WINDOW * b)))
-        m.add(o.round_s, self.ticks)
+        m.add(o.round_s + o.gap_s, self.ticks)
 
     def verify_s(self, rows: float, tokens: float) -> float:
         return self.verify.predict((rows, tokens - rows), self.default_verify_s)
@@ -393,6 +428,8 @@ class CostModel:
             self.rows = v.batch_size + v.queue_rows
             # every row of a batch reports it: about LOAD_STEP a batch round whatever its size
             self.load = _ema(self.load, self.rows, LOAD_STEP / self.rows)
+            self.rounds += 1
+            self.relax()
 
 
 class GoodputPolicy:
@@ -542,11 +579,11 @@ class GoodputPolicy:
             # target would have accepted (greedy: the committed tokens are the target's)
             drafted, accepted = shadow_acceptance(self.shadow, o.tokens)
             self.acceptance["ngram"].observe(drafted, accepted)
-            self.cost.pooled["ngram"].observe(drafted, accepted)
+            self.cost.observe_pooled("ngram", drafted, accepted)
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)
             if self.batched or p == "ngram":  # see ``CostModel.pooled``
-                self.cost.pooled[p].observe(o.drafted, o.decision.num_accepted)
+                self.cost.observe_pooled(p, o.drafted, o.decision.num_accepted)
             tried, acc = self.counts[p]
             for i in range(min(o.drafted, o.decision.num_accepted + 1, self.k_max)):
                 tried[i] += 1
@@ -562,11 +599,11 @@ def decoding(batch_fed: int, batch_tokens: int) -> bool:
     return batch_fed <= batch_tokens + PREFILL_FED or not batch_fed
 
 
-def measurable(round_no: int, caught_up: int, batch_fed: int, batch_tokens: int) -> bool:
+def measurable(round_no: int, caught_up: int) -> bool:
     """Whether a round's time can be its plan's cost (``CostModel._measure``, and the bench's
     reading of a round log): not a request's first round, nor one whose caches caught up
-    more than ``STEADY_FED`` positions, nor one whose target step was no decoding step."""
-    return round_no > 0 and caught_up <= STEADY_FED and decoding(batch_fed, batch_tokens)
+    more than ``STEADY_FED`` positions."""
+    return round_no > 0 and caught_up <= STEADY_FED
 
 
 def shadow_acceptance(match: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:

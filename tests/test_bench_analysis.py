@@ -137,8 +137,10 @@ def test_workloads(tmp_path):
 
 
 def test_round_costs_set_the_cost_models_view_beside_each_runs_tokens_per_s():
-    """A logged run's rounds by its window: tokens a round over the median of decoding
-    rounds, and over the mean of all rounds with their gaps, each against spec-off's."""
+    """A logged run's rounds by its window: tokens a round over the mean of the rounds the
+    cost model measures (other requests' prefills in, first rounds and catch-ups out), over
+    the median of decoding rounds (what it measured before), and over the mean of all
+    rounds with their gaps, each against spec-off's."""
     from specserve.bench.analysis import round_costs, round_time_estimates
 
     def rnd(t, tokens, s, no=1, gap=0.0, fed=0, batch_fed=0, batch_tokens=4):
@@ -152,7 +154,9 @@ def test_round_costs_set_the_cost_models_view_beside_each_runs_tokens_per_s():
         rnd(12, 2, 1.5, no=0), rnd(12.5, 2, 1.5, fed=200)]
     est = round_time_estimates(off)
     assert est == {"rounds": 10, "tokens_per_round": 1.0, "decoding_share": 0.9,
-                   "decoding_median_ms": 100.0, "all_rounds_mean_ms": 190.0}
+                   "measured_mean_ms": 190.0, "decoding_median_ms": 100.0,
+                   "all_rounds_mean_ms": 190.0}
+    assert round_time_estimates(ngram)["measured_mean_ms"] == 150.0  # first, re-fed: out
     assert round_time_estimates(ngram)["decoding_median_ms"] == 150.0
     assert round_time_estimates([]) is None
     levels = {"4": {"off": {"aggregate_tokens_per_s_runs": [10.0], "windows_runs": [[0, 5]]},
@@ -161,6 +165,7 @@ def test_round_costs_set_the_cost_models_view_beside_each_runs_tokens_per_s():
     got = round_costs(levels, off + ngram + [rnd(50, 1, 9.0)])  # a round of no run
     (row,) = got["4"]["ngram_k4"]
     assert row["real"] == 0.8
+    assert row["measured_mean"] == round((2 / 0.15) / (1 / 0.19), 3)  # 2.533
     assert row["decoding_median"] == round((2 / 0.15) / (1 / 0.1), 3)  # 1.333: looks better
     assert row["all_rounds_mean"] == round((2 / 0.42) / (1 / 0.19), 3)  # 0.905: is not
     assert round_costs({"4": {"off": {"aggregate_tokens_per_s_runs": [1.0]}}}, off) == {}

@@ -161,28 +161,35 @@ def plan_mix(stats: list[dict]) -> dict[str, dict[str, int]]:
 
 def round_time_estimates(rounds: Sequence[Mapping]) -> dict | None:
     """A run's rounds from a router's round log (``router.round_log``): tokens a round over
-    two round times, each a tokens/s estimate. ``decoding_median_ms``: the median of the
-    rounds spec=auto's cost model measures (``policy.measurable``); ``all_rounds_mean_ms``:
-    the mean of every round with the gap before it, which is what a run's tokens/s comes
-    from."""
-    from specserve.policy import measurable
+    three round times, each a tokens/s estimate. ``measured_mean_ms``: the mean of the
+    rounds spec=auto's cost model measures (``policy.measurable``: no first round, no
+    catch-up), each with the gap before it; ``decoding_median_ms``: the median of those
+    whose target step was a decoding step, what it measured before (left out: other
+    requests' prefills); ``all_rounds_mean_ms``: the mean of every round with the gap before
+    it, which is what a run's tokens/s comes from."""
+    from specserve.policy import decoding, measurable
 
     if not rounds:
         return None
     tokens = sum(r["tokens"] for r in rounds) / len(rounds)
-    decoding = [r["round_s"] for r in rounds
-                if measurable(r["round_no"], r["fed"], r["batch_fed"], r["batch_tokens"])]
+    measured = [r for r in rounds if measurable(r["round_no"], r["fed"])]
+    dec = [r["round_s"] for r in measured if decoding(r["batch_fed"], r["batch_tokens"])]
+
+    def ms(x: float) -> float:
+        return round(1e3 * x, 3)
+
     return {"rounds": len(rounds), "tokens_per_round": round(tokens, 3),
-            "decoding_share": round(len(decoding) / len(rounds), 3),
-            "decoding_median_ms": round(1e3 * float(np.median(decoding)), 3) if decoding
-            else None,
-            "all_rounds_mean_ms": round(1e3 * float(np.mean(
-                [r["round_s"] + r["gap_s"] for r in rounds])), 3)}
+            "decoding_share": round(len(dec) / len(rounds), 3),
+            "measured_mean_ms": ms(float(np.mean([r["round_s"] + r["gap_s"]
+                                                  for r in measured]))) if measured else None,
+            "decoding_median_ms": ms(float(np.median(dec))) if dec else None,
+            "all_rounds_mean_ms": ms(float(np.mean([r["round_s"] + r["gap_s"]
+                                                    for r in rounds])))}
 
 
 def round_costs(levels: Mapping[str, Mapping[str, Mapping]], records: Sequence[Mapping],
                 reference: str = "off") -> dict[str, dict[str, list[dict]]]:
-    """Per level and configuration, repeat by repeat: the run's real tokens/s and the two
+    """Per level and configuration, repeat by repeat: the run's real tokens/s and the three
     estimates of ``round_time_estimates``, each against the reference configuration's in
     the same repeat (a report's ``windows_runs`` say which logged rounds were whose)."""
     def rate(est: dict | None, key: str) -> float | None:
@@ -204,7 +211,7 @@ def round_costs(levels: Mapping[str, Mapping[str, Mapping]], records: Sequence[M
             for i, e in enumerate(est[name]):
                 base = est[reference][i] if i < len(est[reference]) else None
                 row = {"real": round(real[name][i] / real[reference][i], 3)}
-                for key in ("decoding_median_ms", "all_rounds_mean_ms"):
+                for key in ("measured_mean_ms", "decoding_median_ms", "all_rounds_mean_ms"):
                     a, b = rate(e, key), rate(base, key)
                     row[key.rsplit("_", 1)[0]] = round(a / b, 3) if a and b else None
                 rows.append(row)
