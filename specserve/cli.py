@@ -235,22 +235,20 @@ def _names(flag: str, value: str | None) -> list[str] | None:
 def _started_service_config(args: argparse.Namespace) -> dict | None:
     """What ``--draft-ahead`` and ``--round-log`` add to the config of the service the bench
     starts (a running one, ``--server``, has its own)."""
-    starts = (args.service or args.suite) and not args.server
+    def started_only(flag: str, setting: str) -> None:
+        if not (args.service or args.suite) or args.server:
+            raise UsageError(f"{flag}: only with --service or --suite starting the service (a "
+                             f"running one, --server, has its own {setting} setting)")
+
     cfg: dict = {}
     if args.draft_ahead is not None:
-        if not starts:
-            raise UsageError("--draft-ahead: only with --service or --suite starting the "
-                             "service (a running one, --server, has its own "
-                             "drafter.draft_ahead setting)")
+        started_only("--draft-ahead", "drafter.draft_ahead")
         if not 0 <= args.draft_ahead <= 4:
             raise UsageError(f"--draft-ahead: GUESSES must be 1-4, got {args.draft_ahead}")
         cfg["drafter"] = {"draft_ahead": True, **({"draft_ahead_guesses": args.draft_ahead}
                                                    if args.draft_ahead else {})}
     if args.round_log is not None:
-        if not starts:
-            raise UsageError("--round-log: only with --service or --suite starting the "
-                             "service (a running one, --server, has its own "
-                             "router.round_log setting)")
+        started_only("--round-log", "router.round_log")
         path = Path(args.round_log).resolve()
         if not path.parent.is_dir():
             raise UsageError(f"--round-log: no directory {str(path.parent)!r}; create it or "
