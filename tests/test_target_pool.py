@@ -110,6 +110,29 @@ def test_unused_pool_entries_never_reach_a_row(builtin_pair):
         torch.testing.assert_close(lg, _plain_logits(model, fed, k), atol=2e-4, rtol=1e-4)
 
 
+def test_a_prefill_beside_a_long_row_grows_the_pool_to_the_longest_row_only(builtin_pair):
+    """A step with a new session's prefill (a long feed, no past) beside a row with a long
+    past: the pool grows to the longest row's end, in quarter steps, not to the longest past
+    plus the longest feed. (It grew to their sum, doubled: at the bench's mixed load a 599-
+    token session put every slot at 2048 positions and the budget held 10 sessions, not
+    21.) Every row's logits stay those of a plain forward."""
+    model = builtin_pair.target
+    engine = TargetEngine(model, cache_budget_bytes=1 << 30)
+    seen = _capture(engine)
+    old, new = list(range(5, 205)), list(range(300, 490))  # 200 and 190 tokens
+    engine.verify([_item("old", old)])
+    assert engine.pool.capacity == 256  # 200 positions, in blocks of 64
+    longer = old + list(range(600, 640))  # 240 tokens
+    engine.verify([_item("old", longer, start=len(old), drafts=[7, 8]), _item("new", new)])
+    assert engine.pool.capacity == 256  # the longest row ends at 242 (past 200 + feed 190)
+    for sid, toks, drafts in (("old", longer, [7, 8]), ("new", new, [])):
+        fed, k, lg = seen[sid]
+        assert fed == toks + drafts
+        torch.testing.assert_close(lg, _plain_logits(model, fed, k), atol=2e-4, rtol=1e-4)
+    engine.verify([_item("old", longer + [1] * 20, start=len(longer))])  # needs 260
+    assert engine.pool.capacity == 320  # a quarter more, not twice
+
+
 def test_eviction_frees_slots(builtin_pair):
     engine = TargetEngine(builtin_pair.target, cache_budget_bytes=1)  # evict all but the batch
     for i in range(5):

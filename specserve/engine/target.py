@@ -74,9 +74,10 @@ class _Session:
 
 class _Pool:
     """Every session's KV: ``buf`` [2, Ly, S, KVH, L, D], slot s owned by ``owner[s]``.
-    Grows by doubling (slots or length: the only copy of the past besides moving a row
-    into place), never past ``budget_bytes`` of slots except to hold the sessions it has:
-    growing the length compacts the live slots into fewer, longer ones."""
+    Grows by doubling its slots, or its length by a quarter (``grown``): the only copy of
+    the past besides moving a row into place. Never past ``budget_bytes`` of slots except
+    to hold the sessions it has: growing the length compacts the live slots into fewer,
+    longer ones."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, budget_bytes: int = 1 << 62):
@@ -98,9 +99,15 @@ class _Pool:
         return 2 * s[1] * s[3] * length * s[5] * self.buf.element_size()
 
     def grown(self, length: int) -> int:
-        """The capacity after ``reserve(length=length)``."""
+        """The capacity after ``reserve(length=length)``: by a quarter at a time, in whole
+        ``_MIN_CAPACITY`` blocks. Every slot has the pool's length, so a pool that doubled
+        to hold its longest session priced every session at up to twice that and held as
+        few as half the sessions the budget allows (the KV-bound loads); a growth copies
+        the live entries, a few dozen times over the pool's life at a quarter."""
         have = self.capacity
-        return have if length <= have else max(length, 2 * have, _MIN_CAPACITY)
+        if length <= have:
+            return have
+        return _MIN_CAPACITY * -(-max(length, have * 5 // 4, _MIN_CAPACITY) // _MIN_CAPACITY)
 
     def reserve(self, slots: int, length: int) -> None:
         have_s, have_l = self.buf.shape[2], self.capacity
@@ -457,7 +464,10 @@ class TargetEngine(LRUSessions):
     def _forward_batch(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
         b = len(rows)
         t = max(len(r.feed) for r in rows)
-        keys = max(r.past_len for r in rows) + t
+        # the longest row's end, not the longest past + the longest feed: a prefill beside
+        # rows with a long past once grew the pool past anything a session needed (to twice
+        # the model's context), which halved the sessions the KV budget held for good
+        keys = max(r.past_len + len(r.feed) for r in rows)
         self.pool.reserve(0, keys)  # slots: those it has, fewer if longer ones overflow
         first_slot = self.pool.place([r.session for r in rows])
         back = torch.tensor([r.session.slot - first_slot for r in rows])  # caller's order
