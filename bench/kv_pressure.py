@@ -4,8 +4,10 @@
         [--spec off] [--cache-bytes N] [--wall-s 300]
 
 Starts the local service (bench pair), then a closed loop of ``--concurrency`` SDK callers
-over the code-long prompts (prompt + 128 tokens: the target's pool grows to 1024 positions,
-~25 MB a session in float32, so the default 512 MiB budget holds ~21 sessions). Stops after
+over the code-long prompts (prompt + 128 tokens: the target's pool grows to 640 positions,
+~15 MiB a session in float32, so the default 512 MiB budget holds 34 sessions; before the
+pool grew by a quarter it doubled to 1024 and held 21: ``--cache-bytes 335544320`` puts this
+load back over the budget). Stops after
 ``--requests`` requests or ``--wall-s`` seconds, whichever comes first, and reports
 aggregate tokens/s, requests done, latency, and the target's cache counters (misses,
 evictions, rows that waited for KV room, preemptions). Run it on two checkouts to compare:

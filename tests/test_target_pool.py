@@ -201,6 +201,34 @@ def test_sessions_that_outgrow_the_budget_preempt_the_newest(builtin_pair):
     assert engine.admission([resend]).run == [False]
 
 
+def test_the_pool_shrinks_when_its_longest_session_leaves(builtin_pair):
+    """A budget of four sessions at 128 positions. A 300-token session grows the pool to 320
+    and a new short one must wait; once the long one is released, the next step fits the
+    pool to the sessions left (a quarter over their longest, in blocks of 64), the new one
+    is admitted, and both rows stay those of a plain forward. (The pool used to keep its
+    longest length for good: one long request left a replica holding few sessions.)"""
+    model = builtin_pair.target
+    engine = TargetEngine(model)
+    engine.cache_budget_bytes = engine.pool.budget_bytes = _budget_for(engine, 4, 128)
+    seen = _capture(engine)
+    a, long, b = list(range(3, 23)), list(range(30, 330)), list(range(400, 420))
+    engine.verify([_item("a", a), _item("long", long)])
+    assert engine.pool.capacity == 320
+    a2 = a + [50]
+    step = [_item("a", a2, start=len(a)), _item("b", b)]
+    assert engine.admission(step).run == [True, False]  # 3 x 320 is over the budget
+    engine.release("long")
+    plan = engine.admission(step)
+    assert plan.run == [True, True] and plan.preempt == []
+    outs = engine.verify(step)
+    assert not any(o.cache_miss for o in outs)
+    assert engine.pool.capacity == 64
+    for sid, toks in (("a", a2), ("b", b)):
+        fed, k, lg = seen[sid]
+        assert fed == toks
+        torch.testing.assert_close(lg, _plain_logits(model, fed, k), atol=2e-4, rtol=1e-4)
+
+
 def test_an_overdue_row_evicts_the_least_recently_used_session_outside_its_step(builtin_pair):
     engine = TargetEngine(builtin_pair.target)
     engine.cache_budget_bytes = engine.pool.budget_bytes = _budget_for(engine, 2)

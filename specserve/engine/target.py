@@ -51,7 +51,11 @@ from specserve.service.lru import LRUSessions
 
 # Tokens per session recorded in the byte accounting beside the KV (a Python int list).
 _TOKEN_BYTES = 8
-_MIN_CAPACITY = 64
+_MIN_CAPACITY = 64  # the pool's length grows and shrinks in blocks of this many entries
+
+
+def _blocks(length: int) -> int:
+    return _MIN_CAPACITY * -(-max(length, _MIN_CAPACITY) // _MIN_CAPACITY)
 
 
 class UnsupportedTargetError(ValueError):
@@ -107,17 +111,31 @@ class _Pool:
         have = self.capacity
         if length <= have:
             return have
-        return _MIN_CAPACITY * -(-max(length, have * 5 // 4, _MIN_CAPACITY) // _MIN_CAPACITY)
+        return _blocks(max(length, have * 5 // 4))
 
-    def reserve(self, slots: int, length: int) -> None:
+    def fitted(self, length: int, live: int) -> int:
+        """The capacity after ``reserve(length=length, fit=True)``, ``live``: the longest
+        live session's entries. Grown as ``grown``, or shrunk to a quarter over the longest
+        of the two where they use at most half of it: a long session that left no longer
+        prices every slot (one 32k-token request would otherwise leave a replica holding a
+        few sessions until it restarts)."""
+        need = max(length, live)
+        if need > self.capacity or 2 * need > self.capacity:
+            return self.grown(need)
+        return _blocks(need * 5 // 4)
+
+    def reserve(self, slots: int, length: int, fit: bool = False) -> None:
+        """Room for ``slots`` slots of ``length`` entries (``grown``); ``fit``: the length
+        may shrink too (``fitted``)."""
         have_s, have_l = self.buf.shape[2], self.capacity
-        if slots <= have_s and length <= have_l:
-            return
-        new_l = self.grown(length)
         live = [s for s in self.owner if s is not None]
-        fit = self.budget_bytes // max(self.slot_bytes_at(new_l), 1)
+        new_l = (self.fitted(length, max((s.length for s in live), default=0)) if fit
+                 else self.grown(length))
+        if slots <= have_s and new_l == have_l:
+            return
+        fits = self.budget_bytes // max(self.slot_bytes_at(new_l), 1)
         want = max(slots, 2 * have_s, 4) if slots > have_s else have_s
-        new_s = max(slots, len(live), min(want, fit))
+        new_s = max(slots, len(live), min(want, fits))
         b = self.buf.shape
         # zeros: attention reads every slot up to the longest row (masked, weight 0), and
         # 0 * garbage could be NaN; stale entries of earlier sessions are finite
@@ -346,7 +364,8 @@ class TargetEngine(LRUSessions):
                   gone: frozenset[str] = frozenset()) -> Admission:
         """Which rows of a step run now under the KV budget, and which sessions to preempt.
 
-        The budget holds ``budget // session_bytes(pool length)`` sessions. A row of a held
+        The budget holds ``budget // session_bytes(pool length)`` sessions, at the length
+        the step's forward gives the pool (``_Pool.fitted``). A row of a held
         session always runs; a row that needs a new slot runs only while one fits (oldest
         first), else it waits for a release: admitting it by evicting a session still in use
         would bring that one back at once as a cache miss that evicts another, LRU thrash.
@@ -360,7 +379,9 @@ class TargetEngine(LRUSessions):
         need = max((it.committed_len + len(it.draft_tokens) for it, m in zip(items, mine,
                                                                                strict=True)
                     if m), default=0)
-        length = self.pool.grown(need)
+        longest = max((s.length for sid, s in self._sessions.items() if sid not in gone),
+                      default=0)
+        length = self.pool.fitted(need, longest)  # what the step's forward will make it
         n_held = len(self._sessions) - sum(sid in self._sessions for sid in gone)
         if all(mine) and (n_held <= 1 or self._fits(n_held, length)):
             return Admission([True] * len(items), [])  # the steady state: all held, all fit
@@ -377,7 +398,8 @@ class TargetEngine(LRUSessions):
             if is_held or it.tokens_start > 0:  # held, or a miss (answered at once)
                 run.append(True)
                 continue
-            grown = self.pool.grown(max(length, it.committed_len + len(it.draft_tokens)))
+            ends = max(need, it.committed_len + len(it.draft_tokens))
+            grown = self.pool.fitted(ends, longest)
             if late:  # room by evicting the least recently used sessions outside the step
                 for sid in [s for s in self._sessions if s in live and s not in step]:
                     if self._fits(len(live) + 1, grown):
@@ -389,7 +411,7 @@ class TargetEngine(LRUSessions):
             if ok:
                 live.add(it.session_id)
                 step.add(it.session_id)
-                length = grown
+                need, length = ends, grown
         return Admission(run, preempt)
 
     def _fits(self, sessions: int, length: int) -> bool:
@@ -468,7 +490,7 @@ class TargetEngine(LRUSessions):
         # rows with a long past once grew the pool past anything a session needed (to twice
         # the model's context), which halved the sessions the KV budget held for good
         keys = max(r.past_len + len(r.feed) for r in rows)
-        self.pool.reserve(0, keys)  # slots: those it has, fewer if longer ones overflow
+        self.pool.reserve(0, keys, fit=True)  # slots: those it has, fewer if longer
         first_slot = self.pool.place([r.session for r in rows])
         back = torch.tensor([r.session.slot - first_slot for r in rows])  # caller's order
         rows = sorted(rows, key=lambda r: r.session.slot)  # the pool's order
