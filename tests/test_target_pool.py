@@ -206,7 +206,8 @@ def test_the_pool_shrinks_when_its_longest_session_leaves(builtin_pair):
     and a new short one must wait; once the long one is released, the next step fits the
     pool to the sessions left (a quarter over their longest, in blocks of 64), the new one
     is admitted, and both rows stay those of a plain forward. (The pool used to keep its
-    longest length for good: one long request left a replica holding few sessions.)"""
+    longest length for good: one long request left a replica holding few sessions.) A pool
+    whose budget holds more sessions keeps its length: a shrink costs a copy."""
     model = builtin_pair.target
     engine = TargetEngine(model)
     engine.cache_budget_bytes = engine.pool.budget_bytes = _budget_for(engine, 4, 128)
@@ -214,7 +215,7 @@ def test_the_pool_shrinks_when_its_longest_session_leaves(builtin_pair):
     a, long, b = list(range(3, 23)), list(range(30, 330)), list(range(400, 420))
     engine.verify([_item("a", a), _item("long", long)])
     assert engine.pool.capacity == 320
-    a2 = a + [50]
+    a2 = [*a, 50]
     step = [_item("a", a2, start=len(a)), _item("b", b)]
     assert engine.admission(step).run == [True, False]  # 3 x 320 is over the budget
     engine.release("long")
@@ -227,6 +228,11 @@ def test_the_pool_shrinks_when_its_longest_session_leaves(builtin_pair):
         fed, k, lg = seen[sid]
         assert fed == toks
         torch.testing.assert_close(lg, _plain_logits(model, fed, k), atol=2e-4, rtol=1e-4)
+    roomy = TargetEngine(model, cache_budget_bytes=1 << 30)  # room to spare: no copy
+    roomy.verify([_item("a", a), _item("long", long)])
+    roomy.release("long")
+    roomy.verify([_item("a", a2, start=len(a))])
+    assert roomy.pool.capacity == 320
 
 
 def test_an_overdue_row_evicts_the_least_recently_used_session_outside_its_step(builtin_pair):

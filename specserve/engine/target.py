@@ -113,14 +113,17 @@ class _Pool:
             return have
         return _blocks(max(length, have * 5 // 4))
 
-    def fitted(self, length: int, live: int) -> int:
-        """The capacity after ``reserve(length=length, fit=True)``, ``live``: the longest
-        live session's entries. Grown as ``grown``, or shrunk to a quarter over the longest
-        of the two where they use at most half of it: a long session that left no longer
-        prices every slot (one 32k-token request would otherwise leave a replica holding a
-        few sessions until it restarts)."""
-        need = max(length, live)
-        if need > self.capacity or 2 * need > self.capacity:
+    def fitted(self, length: int, live: int, sessions: int) -> int:
+        """The capacity after ``reserve(length=length, fit=True)`` with ``sessions`` live
+        sessions, the longest of them ``live`` entries long. Grown as ``grown``; shrunk to a
+        quarter over the longest of the two where they use at most half of it and the
+        budget holds no session more at the length it has: a long session that left no
+        longer prices every slot (one 32k-token request would otherwise leave a replica
+        holding a few sessions until it restarts), and a pool with room to spare is not
+        copied (a shrink and the growth after it cost a copy of the live entries each)."""
+        need, have = max(length, live), self.capacity
+        full = sessions + 1 > self.budget_bytes // max(self.slot_bytes_at(have), 1)
+        if need > have or 2 * need > have or not full:
             return self.grown(need)
         return _blocks(need * 5 // 4)
 
@@ -129,8 +132,8 @@ class _Pool:
         may shrink too (``fitted``)."""
         have_s, have_l = self.buf.shape[2], self.capacity
         live = [s for s in self.owner if s is not None]
-        new_l = (self.fitted(length, max((s.length for s in live), default=0)) if fit
-                 else self.grown(length))
+        new_l = (self.fitted(length, max((s.length for s in live), default=0), len(live))
+                 if fit else self.grown(length))
         if slots <= have_s and new_l == have_l:
             return
         fits = self.budget_bytes // max(self.slot_bytes_at(new_l), 1)
@@ -381,8 +384,8 @@ class TargetEngine(LRUSessions):
                     if m), default=0)
         longest = max((s.length for sid, s in self._sessions.items() if sid not in gone),
                       default=0)
-        length = self.pool.fitted(need, longest)  # what the step's forward will make it
         n_held = len(self._sessions) - sum(sid in self._sessions for sid in gone)
+        length = self.pool.fitted(need, longest, n_held)  # what the step's forward makes it
         if all(mine) and (n_held <= 1 or self._fits(n_held, length)):
             return Admission([True] * len(items), [])  # the steady state: all held, all fit
         overdue = overdue or [False] * len(items)
@@ -399,7 +402,7 @@ class TargetEngine(LRUSessions):
                 run.append(True)
                 continue
             ends = max(need, it.committed_len + len(it.draft_tokens))
-            grown = self.pool.fitted(ends, longest)
+            grown = self.pool.fitted(ends, longest, len(live))
             if late:  # room by evicting the least recently used sessions outside the step
                 for sid in [s for s in self._sessions if s in live and s not in step]:
                     if self._fits(len(live) + 1, grown):
