@@ -98,6 +98,11 @@ class _Pool:
     def slot_bytes(self) -> int:
         return self.slot_bytes_at(self.capacity)
 
+    def session_bytes_at(self, length: int) -> int:
+        """A session's bytes at pool length ``length``: its slot and its token list (what
+        the KV budget counts: ``TargetEngine._fits``)."""
+        return self.slot_bytes_at(length) + _TOKEN_BYTES * length
+
     def slot_bytes_at(self, length: int) -> int:
         s = self.buf.shape
         return 2 * s[1] * s[3] * length * s[5] * self.buf.element_size()
@@ -122,7 +127,7 @@ class _Pool:
         holding a few sessions until it restarts), and a pool with room to spare is not
         copied (a shrink and the growth after it cost a copy of the live entries each)."""
         need, have = max(length, live), self.capacity
-        full = sessions + 1 > self.budget_bytes // max(self.slot_bytes_at(have), 1)
+        full = (sessions + 1) * self.session_bytes_at(have) > self.budget_bytes
         if need > have or 2 * need > have or not full:
             return self.grown(need)
         return _blocks(need * 5 // 4)
@@ -418,7 +423,7 @@ class TargetEngine(LRUSessions):
         return Admission(run, preempt)
 
     def _fits(self, sessions: int, length: int) -> bool:
-        cost = self.pool.slot_bytes_at(length) + _TOKEN_BYTES * length
+        cost = self.pool.session_bytes_at(length)
         return sessions * cost <= self.cache_budget_bytes
 
     # ----------------------------------------------------------------- verify
