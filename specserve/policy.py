@@ -412,8 +412,15 @@ class CostModel:
         if v.batch_size > 0 and verify > 0 and decoding(v.batch_fed, v.batch_tokens):
             self.verify.learn((v.batch_size, tokens - v.batch_size), verify)
         compute = (o.proposal.call.compute_s or o.propose_s) if o.drafted else 0.0
-        if p == "draft" and o.drafted and compute > 0:
-            # the rows that drafted with this one: the batch's drafts over this row's k
+        repair = o.proposal.repair
+        if p == "draft" and o.drafted and compute > 0 and (repair is None
+                                                           or repair.fed <= STEADY_FED):
+            # not from a call that first caught the drafter up (after rounds of lookup or
+            # none, a batch's switch feeds every row's new tokens): such calls were most of
+            # what the fit saw of the draft model under load (at c=32 auto's draft rounds
+            # proposed in 249 ms a token, draft_k2's steady ones in 38), and the fit priced
+            # the model out of every batch after. The rows that drafted with this one: the
+            # batch's drafts over this row's k
             drafting = min(max(v.batch_size, 1), max(1, round((tokens - v.batch_size)
                                                               / o.drafted)))
             self.draft.learn((drafting,), compute / o.drafted)

@@ -571,6 +571,32 @@ def test_a_catch_up_round_is_not_its_plans_cost():
     assert cost.round_s("draft", 2, 1, 0.5) == pytest.approx(0.03)
 
 
+def test_a_drafter_call_that_caught_up_does_not_price_the_draft_step():
+    """A batch that switches to the draft model first feeds the drafter every row's new
+    tokens: those calls take many times a draft step. They must not teach the draft-step
+    fit (they were most of what it saw under load and priced the model out of every
+    batch); steady calls do."""
+    from specserve.contract import RepairRecord
+
+    plan = Plan("draft", 2, "goodput")
+    steady = outcome(plan, 2, batch_size=8, others_drafts=14, propose_s=0.004)
+    catch_up = outcome(plan, 2, batch_size=8, others_drafts=14, propose_s=0.2)
+    catch_up = replace(catch_up, proposal=replace(catch_up.proposal,
+                                                  repair=RepairRecord(40, 40, 30)))
+    cost = seeded(0.004)
+    before = cost.draft_step_s(8)
+    for _ in range(20):
+        cost.observe(catch_up)
+    assert cost.draft_step_s(8) == pytest.approx(before)
+    for _ in range(20):
+        cost.observe(steady)
+    assert cost.draft_step_s(8) == pytest.approx(0.004, rel=0.2)
+    fed = seeded(0.004)  # one position caught up is a steady round (its extra token)
+    fed.observe(replace(catch_up, proposal=replace(catch_up.proposal,
+                                                   repair=RepairRecord(40, 40, 1))))
+    assert fed.draft_step_s(8) > 2 * before
+
+
 def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch):
     """Under load too: a batch of 16 whose rounds take longer with each draft than any
     term of the model says (where the drafter shares the target's CPUs, drafting slows
