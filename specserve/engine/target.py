@@ -98,10 +98,11 @@ class _Pool:
     def slot_bytes(self) -> int:
         return self.slot_bytes_at(self.capacity)
 
-    def session_bytes_at(self, length: int) -> int:
-        """A session's bytes at pool length ``length``: its slot and its token list (what
-        the KV budget counts: ``TargetEngine._fits``)."""
-        return self.slot_bytes_at(length) + _TOKEN_BYTES * length
+    def holds(self, sessions: int, length: int) -> bool:
+        """Whether the budget holds ``sessions`` sessions at pool length ``length``, each
+        its slot and its token list: the one check of admission and of ``fitted``."""
+        return sessions * (self.slot_bytes_at(length) + _TOKEN_BYTES * length) \
+            <= self.budget_bytes
 
     def slot_bytes_at(self, length: int) -> int:
         s = self.buf.shape
@@ -127,8 +128,7 @@ class _Pool:
         holding a few sessions until it restarts), and a pool with room to spare is not
         copied (a shrink and the growth after it cost a copy of the live entries each)."""
         need, have = max(length, live), self.capacity
-        full = (sessions + 1) * self.session_bytes_at(have) > self.budget_bytes
-        if need > have or 2 * need > have or not full:
+        if need > have or 2 * need > have or self.holds(sessions + 1, have):
             return self.grown(need)
         return _blocks(need * 5 // 4)
 
@@ -391,13 +391,13 @@ class TargetEngine(LRUSessions):
                       default=0)
         n_held = len(self._sessions) - sum(sid in self._sessions for sid in gone)
         length = self.pool.fitted(need, longest, n_held)  # what the step's forward makes it
-        if all(mine) and (n_held <= 1 or self._fits(n_held, length)):
+        if all(mine) and (n_held <= 1 or self.pool.holds(n_held, length)):
             return Admission([True] * len(items), [])  # the steady state: all held, all fit
         overdue = overdue or [False] * len(items)
         held = {sid for sid in self._sessions if sid not in gone}
         preempt = []
         by_age = sorted(held, key=lambda sid: self._sessions[sid].order)
-        while len(by_age) > 1 and not self._fits(len(by_age), length):
+        while len(by_age) > 1 and not self.pool.holds(len(by_age), length):
             preempt.append(by_age.pop())
         live = {*by_age}
         step = {it.session_id for it, m in zip(items, mine, strict=True) if m}
@@ -410,21 +410,17 @@ class TargetEngine(LRUSessions):
             grown = self.pool.fitted(ends, longest, len(live))
             if late:  # room by evicting the least recently used sessions outside the step
                 for sid in [s for s in self._sessions if s in live and s not in step]:
-                    if self._fits(len(live) + 1, grown):
+                    if self.pool.holds(len(live) + 1, grown):
                         break
                     preempt.append(sid)
                     live.discard(sid)
-            ok = late or not live or self._fits(len(live) + 1, grown)
+            ok = late or not live or self.pool.holds(len(live) + 1, grown)
             run.append(ok)
             if ok:
                 live.add(it.session_id)
                 step.add(it.session_id)
                 need, length = ends, grown
         return Admission(run, preempt)
-
-    def _fits(self, sessions: int, length: int) -> bool:
-        cost = self.pool.session_bytes_at(length)
-        return sessions * cost <= self.cache_budget_bytes
 
     # ----------------------------------------------------------------- verify
     @torch.inference_mode()
