@@ -136,6 +136,9 @@ class _Pool:
         """Room for ``slots`` slots of ``length`` entries (``grown``); ``fit``: the length
         may shrink too (``fitted``)."""
         have_s, have_l = self.buf.shape[2], self.capacity
+        if slots <= have_s and length <= have_l and not (fit and 2 * length <= have_l):
+            return  # every step: neither grown nor shrunk (a shrink needs the rows to use
+            # at most half of it), so no walk over the slots
         live = [s for s in self.owner if s is not None]
         new_l = (self.fitted(length, max((s.length for s in live), default=0), len(live))
                  if fit else self.grown(length))
