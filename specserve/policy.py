@@ -83,7 +83,7 @@ MIN_STEP = 0.1  # the moving estimate never weighs a new observation less than t
 POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its requests' rounds)
 DRAFT_PROFILE_WEIGHT = 4  # observations per point of a drafter's start-up profile
 HYSTERESIS = 0.03  # a batch's shared plan changes only for a better score by this much
-# (and to the draft model from another plan only where it pays back its catch-up: in_batch)
+CATCH_UP = 0.10  # and to the draft model from another plan by this much more (see in_batch)
 PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that find a match
 MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time replaces
 # the model's prediction (``CostModel.round_s``)
@@ -296,12 +296,6 @@ class CostModel:
     # (proposer, k, load bucket) -> what a plan's last rounds took there; see ``round_s``
     measured: dict[tuple[str | None, int, int], _Measured] = field(default_factory=dict)
     ticks: int = 0  # rounds measured
-    # a switch to the draft model: the drafter's seconds per position it catches up (a row's
-    # tokens since it last drafted), learned from the calls that caught up (None: not yet),
-    # and the batch's rows' mean positions behind and tokens left (``in_batch``)
-    catch_up_s: float | None = None
-    behind: float | None = None
-    horizon: float | None = None
 
     def observe_pooled(self, proposer: str, drafted: int, accepted: int) -> None:
         self.pooled[proposer].observe(drafted, accepted)
@@ -320,28 +314,6 @@ class CostModel:
         for p, acc in self.pooled.items():
             if self.rounds - self.pooled_at.get(p, 0) > self.rows:
                 acc.relax(PRIOR_ACCEPTANCE[p], w)
-
-    def saw_row(self, behind: int, remaining: int) -> None:
-        """A batched row's positions the drafter has not seen and its tokens left to make:
-        their means over the batch's rows price a switch to the draft model (``in_batch``)."""
-        w = LOAD_STEP / max(1, self.rows)
-        self.behind, self.horizon = _ema(self.behind, behind, w), _ema(self.horizon, remaining, w)
-
-    def catch_up_cost(self) -> float:
-        """Seconds a row's share of a switch to the draft model takes: its positions behind
-        at the learned rate; before any catch-up was seen, a position at what a row adds to
-        a draft step (the fitted slope, else the prior's)."""
-        rate = self.catch_up_s
-        if rate is None:
-            rate = float(self.draft.coef()[1]) if self.draft.known else \
-                self.draft.rel[0] * self.draft_step_s(1)
-        return rate * (self.behind or 0.0)
-
-    def pays_back(self, now: float, new: float) -> bool:
-        """Whether a switch from a batch goodput ``now`` to ``new`` (tokens / s) to the draft
-        model saves more over the rows' tokens left than the drafter's catch-up stalls the
-        batch: R H / now - R H / new > R catch_up_cost (R rows, H tokens left each)."""
-        return (self.horizon or 0.0) * (1.0 / now - 1.0 / new) > self.catch_up_cost()
 
     def saw_lookup(self, matched: bool) -> None:
         self.lookup_match = _ema(self.lookup_match, float(matched), 0.05)
@@ -452,14 +424,6 @@ class CostModel:
             drafting = min(max(v.batch_size, 1), max(1, round((tokens - v.batch_size)
                                                               / o.drafted)))
             self.draft.learn((drafting,), compute / o.drafted)
-        elif p == "draft" and o.drafted and compute > 0 and o.round_no > 0 and repair:
-            # a call that caught up (a request's first is its prefill, not a switch's): its
-            # time beyond the draft steps, per position fed, every drafting row feeding alike
-            drafting = min(max(v.batch_size, 1), max(1, round((tokens - v.batch_size)
-                                                              / o.drafted)))
-            extra = compute - o.drafted * self.draft_step_s(drafting)
-            self.catch_up_s = _ema(self.catch_up_s, max(0.0, extra) / (repair.fed * drafting),
-                                   0.2)
         if p is not None and o.drafted:
             fixed = o.propose_s - (compute if p == "draft" else 0.0)
             if p == "ngram" and (hops := o.proposal.call.hops()):  # not its wait behind
@@ -495,7 +459,6 @@ class GoodputPolicy:
         self.batched = False  # this round's plan is the batch's (``in_batch``)
         self.shadow: list[int] | None = None  # this round's lookup match, when searched
         self.last_plan: tuple[str | None, int] | None = None  # the round before's
-        self.drafter_seen = 0  # committed tokens when the draft model last drafted for it
 
     def candidates(self, state: RequestState, k_cap: int) -> list[tuple[str, int]]:
         out = []
@@ -550,7 +513,6 @@ class GoodputPolicy:
                 self.shadow = propose_ngram(state.committed, k_cap, *self.ngram_n)
                 self.cost.saw_lookup(bool(self.shadow))
             self.batched = True
-            self.cost.saw_row(len(state.committed) - self.drafter_seen, state.remaining)
             return self.in_batch(k_cap)
         cands = self.candidates(state, k_cap)
         if not cands:
@@ -574,25 +536,21 @@ class GoodputPolicy:
         the others would lengthen every row. So the batch's proposer and k are decided on
         what all its rows see alike, the router's pooled acceptance and lookup match rate,
         the shared costs and the batch's rows, and kept until another plan scores
-        ``HYSTERESIS`` better. A change to the draft model must also pay back its catch-up
-        (``CostModel.pays_back``): the drafter's cache is fed only where it drafts, so after
-        rounds of lookup or none it first catches up every row's new tokens, a prefill of
-        the whole batch's that no plan's score has (under load it took the target's CPUs
-        too, and the batch flipped between lookup and draft model every few seconds, each
-        flip paying it). So the time the new plan saves over the rows' tokens left must
-        exceed the rows' positions behind at the drafter's learned catch-up rate: where
-        speculation gains a few percent at concurrency 16-32 and the rows are hundreds of
-        positions behind, the batch stays put. Prompt lookup is a candidate too: every row
-        asks (a drafter call, so the rows stay in step) and those with a match propose."""
+        ``HYSTERESIS`` better, or ``HYSTERESIS + CATCH_UP`` for a change to the draft model:
+        its cache is fed only where it drafts, so after rounds of lookup or none it first
+        catches up every row's new tokens, a prefill of the whole batch's that no plan's
+        score has (under load it took the target's CPUs too, and the batch flipped between
+        lookup and draft model every few seconds, each flip paying it). Prompt lookup is a
+        candidate too: every row asks (a drafter call, so the rows stay in step) and those
+        with a match propose."""
         c = self.cost
         others = max(1, round(c.load)) - 1  # the rows it shares, not the last step's cohort
         plans = [(None, 0), *((p, k) for p in ("draft", "ngram")[not self.has_drafter:]
                               for k in range(1, self.k_max + 1))]
         scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
-        now = scores[current][0]
-        better = [plan for plan in plans if scores[plan][0] > now * (1 + HYSTERESIS) and (
-            plan[0] != "draft" or current[0] == "draft" or c.pays_back(now, scores[plan][0]))]
+        better = [plan for plan in plans if scores[plan][0] > scores[current][0] * (
+            1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0]))]
         if better:  # the best of those that clear their margin
             c.batch_plan = current = max(better, key=lambda plan: scores[plan][0])
         proposer, k = current[0], min(current[1], k_cap)
@@ -629,8 +587,6 @@ class GoodputPolicy:
             drafted, accepted = shadow_acceptance(self.shadow, o.tokens)
             self.acceptance["ngram"].observe(drafted, accepted)
             self.cost.observe_pooled("ngram", drafted, accepted)
-        if p == "draft" and o.drafted:
-            self.drafter_seen = len(state.committed)
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)
             if self.batched or p == "ngram":  # see ``CostModel.pooled``
