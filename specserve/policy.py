@@ -89,6 +89,8 @@ MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time 
 # the model's prediction (``CostModel.round_s``)
 MEASURED_STALE = 32  # a plan's measured time older than this many batch rounds expires
 MEASURED_WINDOW = 8  # a plan's measured time is the mean of its last this many batch rounds
+RATIO_HALF_LIFE = 128  # batch rounds over which a stale plan's measured / predicted time
+# fades halfway to 1 (``CostModel._correction``)
 STEADY_FED = 2  # a round whose caches fed more than its 1-2 committed tokens caught up
 # (a miss, rounds without the drafter): its time is not its plan's cost
 RELAX_ROUNDS = 32  # a pooled acceptance not observed for this many batch rounds has gone
@@ -217,6 +219,7 @@ class _Measured:
     seconds: float = 0.0
     n: int = 0
     tick: int = 0
+    ratio: float | None = None  # seconds over the model's prediction, when last fresh
 
     def add(self, seconds: float, tick: int) -> None:
         self.times.append(seconds)
@@ -236,6 +239,11 @@ def _bucket(rows: float) -> int:
     if rows < 4.5:
         return max(1, round(rows))
     return round(1.25 ** round(math.log(rows, 1.25)))
+
+
+def _neighbours(b: int) -> tuple[int, int]:
+    """The load grid's points either side of bucket ``b`` (``_bucket``)."""
+    return (b - 1 if b <= 5 else _bucket(b / 1.25)), (b + 1 if b < 4 else _bucket(b * 1.25))
 
 
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
@@ -330,9 +338,30 @@ class CostModel:
         ``MEASURED_STALE``), so the model proposes and the measurements decide."""
         b = _bucket(rows)
         m = self.measured.get((proposer, k, b))
-        if m is None or m.n < MEASURED_AFTER * b or self.ticks - m.tick > MEASURED_STALE * b:
-            return predicted
+        if m is None or not self._fresh(m, b):
+            return predicted * self._correction(proposer, k, m, b)
+        m.ratio = m.seconds / max(predicted, 1e-6)
         return m.seconds
+
+    def _fresh(self, m: _Measured, b: int) -> bool:
+        return m.n >= MEASURED_AFTER * b and self.ticks - m.tick <= MEASURED_STALE * b
+
+    def _correction(self, proposer: str | None, k: int, m: _Measured | None, b: int) -> float:
+        """What a plan not measured lately at load ``b`` takes over the model's prediction:
+        its measured / predicted ratio when last measured there (else at a neighbouring
+        load: under load the rows wander between grid points), fading to 1 by half every
+        ``RATIO_HALF_LIFE`` batch rounds. The bare prediction has no prefill stalls or
+        drafter contention and read every plan not run lately better than the one running,
+        measured with them: under load the batch went back to plans it had just found dear
+        as soon as their measurement expired (at c=32 it ran 9 plans, a third of its rounds
+        changed plan). A plan never measured near this load is tried on the model's word;
+        a plan found dear is tried again once the evidence has aged."""
+        near = [m, *(self.measured.get((proposer, k, nb)) for nb in _neighbours(b))]
+        for x in near:
+            if x is not None and x.ratio is not None:
+                return 1.0 + (x.ratio - 1.0) * 0.5 ** ((self.ticks - x.tick)
+                                                       / (RATIO_HALF_LIFE * b))
+        return 1.0
 
     def _measure(self, o: RoundOutcome, steady: bool) -> None:
         """A round's time with the gap before it, under its plan and load; not a request's
@@ -353,7 +382,9 @@ class CostModel:
         key = (*_plan_key(o.plan), b)
         m = self.measured.get(key)
         if m is None or self.ticks - m.tick > MEASURED_STALE * b:
-            m = self.measured[key] = _Measured(deque(maxlen=max(8, MEASURED_WINDOW * b)))
+            ratio = m.ratio if m is not None else None  # its evidence until measured again
+            m = self.measured[key] = _Measured(deque(maxlen=max(8, MEASURED_WINDOW * b)),
+                                               ratio=ratio)
         m.add(o.round_s + o.gap_s, self.ticks)
 
     def verify_s(self, rows: float, tokens: float) -> float:

@@ -780,3 +780,28 @@ def test_a_batch_takes_the_best_plan_that_clears_its_margin():
     policy.score = lambda p, k, others, *a, **kw: (table.get((p, k), 50.0),  # type: ignore
                                                    Plan(p, k, "goodput"))
     assert policy.in_batch(K).k == 0 and policy.cost.batch_plan == (None, 0)
+
+
+def test_a_plan_found_dear_stays_dear_after_its_measurement_expires():
+    """The model has no prefill stalls or drafter contention; measured times have them. A
+    plan whose measurement expired was priced at the bare prediction again, and the batch
+    went back to it at once (under load a third of its rounds changed plan). Its own
+    measured / predicted ratio now stays on it, fading to 1 by half every RATIO_HALF_LIFE
+    batch rounds; it holds at the neighbouring loads too (rows wander between them), and a
+    plan never measured there is priced at the model's word."""
+    import specserve.policy as pol
+
+    cost = CostModel()
+    dear, steady = Plan("draft", 4, "goodput"), Plan("draft", 1, "goodput")
+    for _ in range(4):
+        cost.observe(outcome(dear, 4, verify_s=0.3, propose_s=0.0))
+    assert cost.round_s("draft", 4, 1, 0.1) == pytest.approx(0.3)  # measured: 3x the model
+    for _ in range(pol.MEASURED_STALE + 1):  # its measurement expires; another plan's runs
+        cost.observe(outcome(steady, 1, verify_s=0.15, propose_s=0.0))
+    assert cost.round_s("draft", 1, 1, 0.1) == pytest.approx(0.15)
+    assert 0.25 < cost.round_s("draft", 4, 1, 0.1) < 0.3  # expired: still ~3x, not 0.1
+    assert 0.25 < cost.round_s("draft", 4, 2, 0.1) < 0.3  # at the next load, too
+    assert cost.round_s("draft", 4, 4, 0.1) == pytest.approx(0.1)  # not further
+    assert cost.round_s("ngram", 2, 1, 0.1) == pytest.approx(0.1)  # never run: the model's
+    cost.ticks += 10 * pol.RATIO_HALF_LIFE
+    assert cost.round_s("draft", 4, 1, 0.1) == pytest.approx(0.1, rel=0.01)  # faded
