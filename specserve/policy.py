@@ -84,6 +84,7 @@ POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its request
 DRAFT_PROFILE_WEIGHT = 4  # observations per point of a drafter's start-up profile
 HYSTERESIS = 0.03  # a batch's shared plan changes only for a better score by this much
 CATCH_UP = 0.10  # and to the draft model from another plan by this much more (see in_batch)
+NOISE_Z = 1.0  # and by this many standard errors of the two plans' measured times more
 PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that find a match
 MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time replaces
 # the model's prediction (``CostModel.round_s``)
@@ -216,14 +217,20 @@ class _Measured:
     good at concurrency 2-16 (docs/benchmarks.md, the round log)."""
 
     times: deque[float]
+    rows: int = 1  # a batch round's rows at this load: their times move together
     seconds: float = 0.0
+    rse: float = 0.0  # the mean's relative standard error, a batch round as one sample
     n: int = 0
     tick: int = 0
     ratio: float | None = None  # seconds over the model's prediction, when last fresh
 
     def add(self, seconds: float, tick: int) -> None:
         self.times.append(seconds)
-        self.seconds = statistics.fmean(self.times)
+        self.seconds = mean = statistics.fmean(self.times)
+        n = len(self.times)
+        if n > 1 and mean > 0:
+            var = sum((t - mean) ** 2 for t in self.times) / (n - 1)
+            self.rse = math.sqrt(var / max(1.0, n / self.rows)) / mean
         self.n += 1
         self.tick = tick
 
@@ -343,6 +350,13 @@ class CostModel:
         m.ratio = m.seconds / max(predicted, 1e-6)
         return m.seconds
 
+    def noise(self, proposer: str | None, k: int, rows: int) -> float:
+        """The relative standard error of the plan's measured time at this load (0 where it
+        is priced by the model: ``round_s``)."""
+        b = _bucket(rows)
+        m = self.measured.get((proposer, k, b))
+        return m.rse if m is not None and self._fresh(m, b) else 0.0
+
     def _fresh(self, m: _Measured, b: int) -> bool:
         return m.n >= MEASURED_AFTER * b and self.ticks - m.tick <= MEASURED_STALE * b
 
@@ -384,7 +398,7 @@ class CostModel:
         if m is None or self.ticks - m.tick > MEASURED_STALE * b:
             ratio = m.ratio if m is not None else None  # its evidence until measured again
             m = self.measured[key] = _Measured(deque(maxlen=max(8, MEASURED_WINDOW * b)),
-                                               ratio=ratio)
+                                               rows=b, ratio=ratio)
         m.add(o.round_s + o.gap_s, self.ticks)
 
     def verify_s(self, rows: float, tokens: float) -> float:
@@ -573,15 +587,21 @@ class GoodputPolicy:
         score has (under load it took the target's CPUs too, and the batch flipped between
         lookup and draft model every few seconds, each flip paying it). Prompt lookup is a
         candidate too: every row asks (a drafter call, so the rows stay in step) and those
-        with a match propose."""
+        with a match propose. The margin grows by ``NOISE_Z`` standard errors of the two
+        plans' measured times (a mean of a few batch rounds, some of them stalled by a
+        prefill: under load the errors were larger than the plans' differences, and the
+        batch hopped among lookup k's every few seconds, a third of its rows' rounds
+        changing plan); a plan priced by the model has none, so it is tried on its word."""
         c = self.cost
         others = max(1, round(c.load)) - 1  # the rows it shares, not the last step's cohort
         plans = [(None, 0), *((p, k) for p in ("draft", "ngram")[not self.has_drafter:]
                               for k in range(1, self.k_max + 1))]
         scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
+        cur_noise = c.noise(*current, others + 1)
         better = [plan for plan in plans if scores[plan][0] > scores[current][0] * (
-            1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0]))]
+            1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0])
+            + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1)))]
         if better:  # the best of those that clear their margin
             c.batch_plan = current = max(better, key=lambda plan: scores[plan][0])
         proposer, k = current[0], min(current[1], k_cap)

@@ -805,3 +805,43 @@ def test_a_plan_found_dear_stays_dear_after_its_measurement_expires():
     assert cost.round_s("ngram", 2, 1, 0.1) == pytest.approx(0.1)  # never run: the model's
     cost.ticks += 10 * pol.RATIO_HALF_LIFE
     assert cost.round_s("draft", 4, 1, 0.1) == pytest.approx(0.1, rel=0.01)  # faded
+
+
+@pytest.mark.parametrize("rse, switches", [(0.0, True), (0.01, True), (0.08, False)])
+def test_a_batch_changes_plan_only_beyond_the_noise_of_the_measured_times(rse, switches):
+    """Two plans measured at the batch's load, one 10 % better: the batch changes to it
+    only where the difference exceeds HYSTERESIS plus NOISE_Z standard errors of the two
+    means (under load a few stalled rounds move a plan's mean by more than the plans
+    differ, and the batch hopped between lookup k's every few seconds)."""
+    from collections import deque
+
+    from specserve.policy import _bucket, _Measured
+
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    c = policy.cost
+    c.rows, c.load, c.batch_plan, c.ticks = 16, 16.0, ("ngram", 4), 100
+    b = _bucket(16)
+    for plan in (("ngram", 4), ("ngram", 2)):
+        c.measured[(*plan, b)] = _Measured(deque([0.1]), rows=b, rse=rse, n=10 ** 6, tick=100)
+    table = {("ngram", 4): 100.0, ("ngram", 2): 110.0}
+    policy.score = lambda p, k, others, *a, **kw: (table.get((p, k), 50.0),  # type: ignore
+                                                   Plan(p, k, "goodput"))
+    assert c.noise("ngram", 2, 16) == rse and c.noise("ngram", 3, 16) == 0.0
+    assert (policy.in_batch(K).k == 2) == switches
+    assert c.batch_plan == (("ngram", 2) if switches else ("ngram", 4))
+
+
+def test_a_measured_plans_noise_counts_a_batch_round_as_one_sample():
+    """The standard error of a plan's measured mean: its rounds' spread over the square
+    root of the batch rounds (a batch round's rows wait for one step: one sample)."""
+    import math
+    from collections import deque
+
+    from specserve.policy import _Measured
+
+    times = [0.1, 0.3] * 8
+    m = _Measured(deque(maxlen=64), rows=4)
+    for t in times:
+        m.add(t, 1)
+    sd = math.sqrt(sum((t - 0.2) ** 2 for t in times) / 15)
+    assert m.seconds == pytest.approx(0.2) and m.rse == pytest.approx(sd / math.sqrt(4) / 0.2)
