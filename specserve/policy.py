@@ -58,7 +58,6 @@ tokens depend on where drafts were proposed, so its plans must not depend on tim
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -223,13 +222,22 @@ class _Measured:
     n: int = 0
     tick: int = 0
     ratio: float | None = None  # seconds over the model's prediction, when last fresh
+    _sum: float = field(default=0.0, init=False)  # of ``times`` and of their squares: the
+    _sq: float = field(default=0.0, init=False)  # window's mean and spread in O(1) a round
+
+    def __post_init__(self) -> None:
+        self._sum, self._sq = sum(self.times), sum(t * t for t in self.times)
 
     def add(self, seconds: float, tick: int) -> None:
+        if len(self.times) == self.times.maxlen:  # the oldest leaves the window
+            old = self.times[0]
+            self._sum, self._sq = self._sum - old, self._sq - old * old
         self.times.append(seconds)
-        self.seconds = mean = statistics.fmean(self.times)
+        self._sum, self._sq = self._sum + seconds, self._sq + seconds * seconds
         n = len(self.times)
+        self.seconds = mean = self._sum / n
         if n > 1 and mean > 0:
-            var = sum((t - mean) ** 2 for t in self.times) / (n - 1)
+            var = max(0.0, self._sq - n * mean * mean) / (n - 1)
             self.rse = math.sqrt(var / max(1.0, n / self.rows)) / mean
         self.n += 1
         self.tick = tick
@@ -342,7 +350,9 @@ class CostModel:
         from the target beside it); a plan it underprices is tried, measured and then
         priced at its real time, and a measurement expires (the context and the load move
         on: a plan not run lately is tried again, about one batch round in
-        ``MEASURED_STALE``), so the model proposes and the measurements decide."""
+        ``MEASURED_STALE``), so the model proposes and the measurements decide. Reading a
+        fresh measurement records its ratio to the prediction, which prices the plan once
+        the measurement has expired (``_correction``)."""
         b = _bucket(rows)
         m = self.measured.get((proposer, k, b))
         if m is None or not self._fresh(m, b):
