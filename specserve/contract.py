@@ -134,6 +134,10 @@ class VerifyOutcome:
     # positions fed in that forward, all its rows: drafts, catch-up and prefill (a step with
     # a prefill in it is not what a round of decoding costs; spec=auto leaves it out)
     batch_fed: int = 0
+    # only with ``TargetEngine.verify(prefill_chunk=...)``: the row fed one chunk of its
+    # prefill and has no verdict yet; the caller sends it again (the target service does,
+    # in its next step: a pending outcome never leaves the replica)
+    pending: bool = False
 
 
 NO_PROPOSAL = ProposeOutcome([], None)

@@ -70,8 +70,10 @@ class TargetMetrics:
 class TargetServicer(pb_grpc.TargetServicer):
     def __init__(self, engine: TargetEngine, replica: str, max_batch: int = 32,
                  batch_wait_s: float = 0.05, prometheus: TargetBatchMetrics | None = None,
-                 max_queue: int = 1024, idle_s: float = 10.0, admit_wait_s: float = 20.0):
+                 max_queue: int = 1024, idle_s: float = 10.0, admit_wait_s: float = 20.0,
+                 prefill_chunk: int | None = None):
         self.engine = engine
+        self.prefill_chunk = prefill_chunk
         self.replica = replica
         self.max_batch = max_batch
         self.scheduler = StepScheduler(max_wait_s=batch_wait_s)
@@ -87,6 +89,8 @@ class TargetServicer(pb_grpc.TargetServicer):
         self._since: dict[int, float] = {}  # id(message) -> when it first waited
         self.kv = {"waited": 0, "preempted": 0}  # rows that waited; sessions preempted
         self._streams = itertools.count(1)
+        self._carried: list[_Row] = []  # rows whose prefill goes on in the next step
+        self.chunks = 0  # prefill chunks run (steps a row's prefill was split over, less 1)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -96,7 +100,7 @@ class TargetServicer(pb_grpc.TargetServicer):
     @property
     def queued(self) -> int:
         """Rows waiting for a forward (all streams), for KV room included."""
-        return self._queue.qsize() + len(self._waiting)
+        return self._queue.qsize() + len(self._waiting) + len(self._carried)
 
     @property
     def waiting(self) -> int:
@@ -190,7 +194,8 @@ class TargetServicer(pb_grpc.TargetServicer):
 
     async def _run(self) -> None:
         while True:
-            batch = await gather(self._queue, self.scheduler, self.max_batch)
+            carried, self._carried = self._carried, []
+            batch = await gather(self._queue, self.scheduler, self.max_batch, carried)
             for rows in by_session(batch, lambda row: row[0].session_id):
                 await self._serve(rows)
 
@@ -215,7 +220,8 @@ class TargetServicer(pb_grpc.TargetServicer):
                 t0 = time.perf_counter()
                 self.sessions.busy = True
                 try:
-                    results = await asyncio.to_thread(self.engine.verify, items)
+                    results = await asyncio.to_thread(self.engine.verify, items,
+                                                      self.prefill_chunk)
                 finally:
                     self.sessions.busy = False
                     self.sessions.apply()
@@ -243,6 +249,10 @@ class TargetServicer(pb_grpc.TargetServicer):
         queued = self._queue.qsize()
         for i, (msg, replies, span, received_ns) in enumerate(batch):
             if i in wait:
+                continue
+            if i in outcomes and outcomes[i].pending:  # its prefill's next chunk: next step
+                self._carried.append(batch[i])
+                self.chunks += 1
                 continue
             if i in errors:
                 reply = pb.VerifyReply(call_id=msg.call_id, error=errors[i],

@@ -137,7 +137,8 @@ def _apply(engine: TargetEngine, op: _Op) -> list[VerifyOutcome] | None:
     for sid in releases:
         engine.release(sid)
     if kind == "verify":
-        return engine.verify(payload)
+        items, chunk = payload
+        return engine.verify(items, chunk)
     return None
 
 
@@ -229,9 +230,10 @@ class TPTargetEngine:
         with self._rel_lock:  # every rank holds rank 0's sessions, less the pending releases
             return self.engine.admission(items, overdue, frozenset(self._releases))
 
-    def verify(self, items: list[VerifyItem]) -> list[VerifyOutcome]:
+    def verify(self, items: list[VerifyItem],
+               prefill_chunk: int | None = None) -> list[VerifyOutcome]:
         with self._lock:
-            result = self._run(("verify", self._take_releases(), items))
+            result = self._run(("verify", self._take_releases(), (items, prefill_chunk)))
         assert result is not None
         return result
 

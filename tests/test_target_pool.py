@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from specserve.contract import VerifyItem
@@ -32,7 +33,12 @@ def _capture(engine: TargetEngine) -> dict:
     return seen
 
 
-def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair):
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair, chunk):
+    """With ``prefill_chunk``, a row with more than a chunk to feed feeds one chunk a step
+    and answers ``pending``; it comes back in the next step beside the others (as the
+    target service carries it) until its verdict, whose logits are still the plain
+    forward's and whose repair record covers the whole call."""
     model = builtin_pair.target
     vocab = int(model.config.vocab_size)
     rnd = random.Random(3)
@@ -44,31 +50,44 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair):
     swaps = []
     swap = engine.pool._swap
     engine.pool._swap = lambda a, b: (swaps.append((a, b)), swap(a, b))
+    catch_up = []
+    forward = engine._forward
+    engine._forward = lambda rows: (catch_up.extend(
+        len(r.feed) - len(r.item.draft_tokens) for r in rows), forward(rows))[1]
     seqs: dict[str, list[int]] = {}
     windows: dict[str, int] = {}
-    for step in range(30):
-        live = list(seqs)
-        if step % 2 == 0 or not live:  # a new session (a prefill beside 1-token rows)
+    carried: list[VerifyItem] = []
+    pending = 0
+    for step in range(40):
+        busy = {it.session_id for it in carried}
+        live = [s for s in seqs if s not in busy]
+        if step % 2 == 0 or not seqs:  # a new session (a prefill beside 1-token rows)
             sid = f"s{step}"
             seqs[sid] = [rnd.randrange(1, vocab) for _ in range(rnd.randrange(3, 90))]
             windows[sid] = 0
-        if step % 7 == 6:  # a released session frees its slot for the next one
-            gone = live[rnd.randrange(len(live))]
+            live.append(sid)
+        if step % 7 == 6 and len(live) > 1:  # a released session frees its slot
+            gone = live.pop(rnd.randrange(len(live)))
             engine.release(gone)
             del seqs[gone], windows[gone]
-        batch = [s for s in seqs if rnd.random() < 0.6] or list(seqs)[:1]
+        batch = [s for s in live if rnd.random() < 0.6] or live[:1]
         rnd.shuffle(batch)  # another order each step: rows move into consecutive slots
-        items = []
+        items = list(carried)
         for sid in batch:
             k = rnd.randrange(0, 4)
             drafts = [rnd.randrange(1, vocab) for _ in range(k)]
             toks = seqs[sid]
             items.append(VerifyItem(sid, len(toks), windows[sid], toks[windows[sid]:], drafts,
                                     None, SamplingParams()))
-        outs = engine.verify(items)
+        outs = engine.verify(items, chunk)
+        carried = [it for it, out in zip(items, outs, strict=True) if out.pending]
+        pending += len(carried)
         for it, out in zip(items, outs, strict=True):
             assert not out.cache_miss
-            fed, k, lg = seen[it.session_id]
+            if out.pending:
+                continue
+            assert out.repair.kept + out.repair.fed == it.committed_len
+            fed, k, lg = seen.pop(it.session_id)
             torch.testing.assert_close(lg, _plain_logits(model, fed, k), atol=2e-4, rtol=1e-4)
             toks = seqs[it.session_id]
             toks += [*it.draft_tokens[: out.num_accepted], out.extra_token]
@@ -81,6 +100,10 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair):
     assert len(set(live_slots)) == len(live_slots) and -1 not in live_slots
     owners = [o for o in engine.pool.owner if o is not None]
     assert len(owners) == len(engine._sessions)
+    if chunk is None:
+        assert pending == 0 and max(catch_up) > 16
+    else:
+        assert pending > 5 and max(catch_up) == chunk
 
 
 def test_unused_pool_entries_never_reach_a_row(builtin_pair):
@@ -290,7 +313,7 @@ def test_a_step_longer_than_the_idle_timeout_releases_nobody(builtin_pair):
 
     engine = TargetEngine(builtin_pair.target)
     verify = engine.verify
-    engine.verify = lambda items: (time.sleep(0.6), verify(items))[1]  # injected slowness
+    engine.verify = lambda *a: (time.sleep(0.6), verify(*a))[1]  # injected slowness
     toks = list(range(3, 20))
 
     async def main():
@@ -360,6 +383,56 @@ def test_the_target_server_holds_a_row_until_a_release_makes_room(builtin_pair):
             assert [r.call_id for r in got] == [3] and not got[0].error
             assert not got[0].cache_miss and servicer.kv == {"waited": 1, "preempted": 0}
             assert engine.misses == 0 and engine.evictions == 0
+            await close()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_the_target_server_runs_a_long_prefill_in_chunks_beside_decoding_rows(builtin_pair):
+    """Through gRPC with ``prefill_chunk``: a 70-token prompt is fed 16 tokens a step; a
+    decoding session's row that arrives meanwhile is answered in the next step, before the
+    prompt's verdict; the verdict and its repair record are the unchunked ones."""
+    import asyncio
+    import time
+
+    from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
+    from target_service.server import start_target_server
+
+    prompt = [3 + (7 * i) % 50 for i in range(70)]
+    short = list(range(3, 9))
+    (ref,) = TargetEngine(builtin_pair.target).verify(
+        [VerifyItem("b", len(prompt), 0, prompt, [5, 6], None, SamplingParams())])
+    engine = TargetEngine(builtin_pair.target)
+    verify = engine.verify
+    engine.verify = lambda *a: (time.sleep(0.2), verify(*a))[1]  # a step outlasts a send
+
+    def row(call: int, sid: str, toks: list[int], start: int = 0, drafts=()) -> pb.VerifyRequest:
+        return pb.VerifyRequest(call_id=call, session_id=sid, committed_len=len(toks),
+                                tokens_start=start, tokens=toks[start:],
+                                draft_tokens=list(drafts), sampling=pb.Sampling(top_p=1.0))
+
+    async def main():
+        server, port, servicer = await start_target_server(
+            engine, "127.0.0.1", 0, "t", batch_wait_s=0.0, prefill_chunk=16)
+        send, nxt, close = _verify_stream(port)
+        try:
+            await send(row(1, "a", short))
+            (a1,) = await nxt()
+            await send(row(2, "b", prompt, drafts=[5, 6]))
+            while servicer.chunks == 0:  # the event: b's first chunk ran, b is carried
+                await asyncio.sleep(0.01)
+            await send(row(3, "a", [*short, a1.extra_token], start=len(short)))
+            got = [r for _ in range(2) for r in await nxt()]
+            assert [r.call_id for r in got] == [3, 2]  # a's round did not wait for b's prompt
+            b = got[1]
+            assert not b.error and not b.cache_miss
+            assert (b.num_accepted, b.extra_token, b.bonus) == \
+                (ref.num_accepted, ref.extra_token, ref.bonus)
+            assert (b.repair.kept, b.repair.fed) == (0, 70)
+            assert servicer.chunks == 4  # 16, 32, 48, 64 pending; 70 and the drafts: verdict
+            assert servicer.queued == 0 and engine.misses == 0
             await close()
         finally:
             await server.stop(0)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["Admission", "TargetEngine", "VerifyItem", "VerifyOutcome"]
 
@@ -69,6 +69,7 @@ class _Session:
     length: int = 0  # valid KV entries
     pool: _Pool | None = None
     order: int = 0  # when it was admitted (preemption takes the newest first)
+    chunked: RepairRecord | None = None  # a call's repair while its prefill runs in chunks
 
     @property
     def nbytes(self) -> int:  # its slot at the pool's current length
@@ -234,21 +235,67 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       scaling: float | None = None, dropout: float = 0.0,
                       **kwargs: object) -> tuple[torch.Tensor, None]:
     """Attention of a packed step: ``query`` [1, H, N, D] (every row's tokens one after
-    another), ``key``/``value`` the rows' pool slots [B, KVH, keys, D]. The queries are
-    scattered into [B, H, T, D] (row, index in its feed), attend under the per-row causal
-    mask [B, 1, T, keys] and are gathered back. Any other call: plain SDPA."""
-    meta = kwargs.pop("specserve_packed", None)
-    if meta is None:
+    another), ``key``/``value`` the rows' pool slots [B, KVH, keys, D]. Per run of rows
+    (``_Run``), the queries are scattered into [rows, H, T, D] (row, index in its feed),
+    attend under the per-row causal mask [rows, 1, T, keys] and are gathered back. Any
+    other call: plain SDPA."""
+    runs: list[_Run] | None = kwargs.pop("specserve_packed", None)
+    if runs is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
-    where, b, t, mask = meta
     h, d = query.shape[1], query.shape[3]
-    q = query.new_zeros((b * t, h, d))
-    q[where] = query[0].transpose(0, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.view(b, t, h, d).transpose(1, 2), key, value, attn_mask=mask, scale=scaling,
-        enable_gqa=key.shape[1] != h)  # [B, H, T, D]
-    return out.transpose(1, 2).reshape(b * t, h, d)[where][None], None
+    out = []
+    for run in runs:
+        b = run.rows.stop - run.rows.start
+        q = query.new_zeros((b * run.t, h, d))
+        q[run.where] = query[0, :, run.tokens].transpose(0, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.view(b, run.t, h, d).transpose(1, 2), key[run.rows, :, : run.keys],
+            value[run.rows, :, : run.keys], attn_mask=run.mask, scale=scaling,
+            enable_gqa=key.shape[1] != h)  # [rows, H, T, D]
+        out.append(o.transpose(1, 2).reshape(b * run.t, h, d)[run.where])
+    return torch.cat(out)[None], None
+
+
+@dataclass
+class _Run:
+    """Consecutive rows of a packed step (pool order) whose attention is one padded call:
+    the decoding rows apart from a prefill's chunk, so their queries are padded to their
+    own few tokens, not to the chunk, and read only their own keys (``_runs``)."""
+
+    rows: slice  # of the step's rows
+    tokens: slice  # of the packed sequence
+    where: torch.Tensor  # each token's place in [rows * t]
+    t: int  # the run's longest feed
+    keys: int  # the run's longest past + feed
+    mask: torch.Tensor  # [rows, 1, t, keys]: query j of row b sees keys 0 .. past_b + j
+
+
+# a row that feeds more than its drafts and this many tokens (a prefill's chunk, a rebuild)
+# is attended apart from the decoding rows beside it
+_RUN_SLACK = 2
+
+
+def _runs(feeds: list[int], pasts: list[int], short: int, device: torch.device) -> list[_Run]:
+    """The packed step's rows split into maximal runs of short (feed <= ``short``) and
+    long rows."""
+    runs: list[_Run] = []
+    row, tok = 0, 0
+    while row < len(feeds):
+        kind = feeds[row] <= short
+        end = row
+        while end < len(feeds) and (feeds[end] <= short) == kind:
+            end += 1
+        n, past = feeds[row:end], torch.tensor(pasts[row:end])
+        t = max(n)
+        keys = int((past + torch.tensor(n)).max())
+        where = torch.cat([i * t + torch.arange(m) for i, m in enumerate(n)])
+        mask = torch.arange(keys)[None, None, None, :] <= \
+            (past[:, None] + torch.arange(t))[:, None, :, None]
+        runs.append(_Run(slice(row, end), slice(tok, tok + sum(n)), where.to(device), t,
+                         keys, mask.to(device)))
+        row, tok = end, tok + sum(n)
+    return runs
 
 
 AttentionInterface.register(_PACKED, _packed_attention)
@@ -291,6 +338,7 @@ class _Row:
     feed: list[int]  # committed[keep:] + drafts
     past_len: int  # KV entries kept (= keep)
     repair: RepairRecord
+    pending: bool = False  # a chunk of its prefill: no verdict yet (``verify``)
 
 
 class TargetEngine(LRUSessions):
@@ -427,8 +475,19 @@ class TargetEngine(LRUSessions):
 
     # ----------------------------------------------------------------- verify
     @torch.inference_mode()
-    def verify(self, items: list[VerifyItem]) -> list[VerifyOutcome]:
-        """Verify every item's drafts; ONE model forward for all rows that are not misses."""
+    def verify(self, items: list[VerifyItem],
+               prefill_chunk: int | None = None) -> list[VerifyOutcome]:
+        """Verify every item's drafts; ONE model forward for all rows that are not misses.
+
+        ``prefill_chunk``: a row with more committed tokens to feed than this (a prefill, a
+        rebuild after a loss) feeds only the next ``prefill_chunk`` of them and answers
+        ``pending``: the caller sends the same item again in a later call, which goes on
+        from there (the cache holds the chunk). One arrival's prefill then adds at most a
+        chunk to a step of decoding rows instead of stalling it for the whole prompt
+        (Sarathi's chunked prefill). The chunks' boundaries depend on the row alone, not on
+        the rest of the batch."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self._check(items)
         outcomes: list[VerifyOutcome | None] = [None] * len(items)
         rows: list[tuple[int, _Row]] = []
@@ -443,27 +502,49 @@ class TargetEngine(LRUSessions):
                 sess = _Session([], pool=self.pool, order=self._admitted)
                 self.pool.assign(sess)
                 self._sessions[it.session_id] = sess
-            committed = [*sess.tokens[: it.tokens_start], *it.tokens]
-            plan = repair_plan(sess.tokens, committed)
-            repair = RepairRecord(len(sess.tokens), plan.keep, len(committed) - plan.keep)
-            sess.length = min(sess.length, plan.keep)
-            sess.tokens = committed[: plan.keep]
-            rows.append((idx, _Row(it, sess, committed,
-                                   [*committed[plan.keep :], *it.draft_tokens], plan.keep,
-                                   repair)))
+            rows.append((idx, self._row(it, sess, prefill_chunk)))
         if rows:
+            live = [(i, r) for i, r in rows if not r.pending]
             logits = self._forward([r for _, r in rows])  # [B, K+1, V]
-            results = self._decide([r for _, r in rows], logits)
-            logprobs = self._logprobs([r for _, r in rows], logits, results)
-            tokens = sum(len(r.item.draft_tokens) + 1 for _, r in rows)
+            at = [j for j, (_, r) in enumerate(rows) if not r.pending]
+            results = self._decide([r for _, r in live], logits[at]) if live else []
+            logprobs = self._logprobs([r for _, r in live], logits[at], results)
+            tokens = sum(len(r.item.draft_tokens) + 1 for _, r in live)
             fed = sum(len(r.feed) for _, r in rows)
-            for (idx, row), (n, extra, bonus), lp in zip(rows, results, logprobs, strict=True):
+            for (idx, row), (n, extra, bonus), lp in zip(live, results, logprobs, strict=True):
                 outcomes[idx] = VerifyOutcome(n, extra, bonus, False, row.repair, len(rows),
                                               logprobs=lp, batch_tokens=tokens,
                                               batch_fed=fed)
+            for idx, row in rows:
+                if row.pending:
+                    outcomes[idx] = VerifyOutcome(0, -1, False, batch_size=len(rows),
+                                                  batch_tokens=tokens, batch_fed=fed,
+                                                  pending=True)
                 self._sessions.move_to_end(row.item.session_id)
             self._evict({r.item.session_id for _, r in rows})
         return [o for o in outcomes if o is not None]
+
+    @staticmethod
+    def _row(it: VerifyItem, sess: _Session, chunk: int | None) -> _Row:
+        """The row's cache repair and feed (committed[keep:] + drafts), or with ``chunk``
+        and more than that to catch up, its next chunk alone (no drafts: ``pending``)."""
+        committed = [*sess.tokens[: it.tokens_start], *it.tokens]
+        plan = repair_plan(sess.tokens, committed)
+        first = sess.chunked  # the call's first chunk's repair: the whole call's
+        repair = RepairRecord(len(sess.tokens), plan.keep, len(committed) - plan.keep) \
+            if first is None else RepairRecord(first.cached_before, first.kept,
+                                               len(committed) - first.kept)
+        sess.length = min(sess.length, plan.keep)
+        sess.tokens = committed[: plan.keep]
+        if chunk is not None and len(committed) - plan.keep > chunk:
+            sess.chunked = repair
+            end = plan.keep + chunk
+            part = replace(it, draft_tokens=[], draft_probs=None, logprobs=None)
+            return _Row(part, sess, committed[:end], committed[plan.keep : end], plan.keep,
+                        repair, pending=True)
+        sess.chunked = None
+        return _Row(it, sess, committed, [*committed[plan.keep :], *it.draft_tokens],
+                    plan.keep, repair)
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
         """All rows' logits in one forward; with ``batch_invariant`` every sampled row is its
@@ -544,28 +625,26 @@ class TargetEngine(LRUSessions):
         """Rows of different pasts or feeds: their tokens packed into one sequence [1, N], so
         projections and MLP compute exactly the real tokens (no padding to the longest feed:
         a prefill or a k=4 row beside k=0 rows costs its own tokens only); attention runs on
-        a padded [B, H, T, D] view of the queries against the rows' pool slots
-        (``_packed_attention``)."""
+        padded [rows, H, T, D] views of the queries against the rows' pool slots, a
+        prefill's chunk apart from the decoding rows (``_packed_attention``)."""
         n = [len(r.feed) for r in rows]
         past = torch.tensor([r.past_len for r in rows])
         row_tok = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(n))
         j_tok = torch.cat([torch.arange(m) for m in n])
         pos_tok = past[row_tok] + j_tok
-        mask = torch.arange(keys)[None, None, None, :] <= \
-            (past[:, None] + torch.arange(t))[:, None, :, None]  # [B, 1, T, keys]
         ends = torch.tensor(n).cumsum(0)
         keep = torch.cat([end - len(r.item.draft_tokens) - 1 + torch.arange(
             len(r.item.draft_tokens) + 1) for r, end in zip(rows, ends.tolist(), strict=True)])
         dev = self.device
-        meta = (row_tok.to(dev) * t + j_tok.to(dev), len(rows), t, mask.to(dev))
+        k_max = max(len(r.item.draft_tokens) for r in rows)
+        runs = _runs(n, past.tolist(), k_max + 1 + _RUN_SLACK, dev)
         with _attention(self.model.config, _PACKED):
-            out = self.model(
+            out = self.model(  # the mask is the runs' (the model's own is a placeholder)
                 input_ids=torch.tensor([[x for r in rows for x in r.feed]]).to(dev),
-                attention_mask=meta[3], position_ids=pos_tok.clamp(
+                attention_mask=runs[0].mask, position_ids=pos_tok.clamp(
                     max=self.max_context - 1)[None].to(dev),
                 cache=self._cache(kv, row_tok, pos_tok, keys, 0), use_cache=True,
-                logits_to_keep=keep.to(dev), specserve_packed=meta)
-        k_max = max(len(r.item.draft_tokens) for r in rows)
+                logits_to_keep=keep.to(dev), specserve_packed=runs)
         starts = torch.tensor([0, *[len(r.item.draft_tokens) + 1 for r in rows]]).cumsum(0)
         idx = torch.stack([s + torch.arange(k_max + 1).clamp(max=len(r.item.draft_tokens))
                            for s, r in zip(starts[:-1].tolist(), rows, strict=True)])

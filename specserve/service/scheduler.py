@@ -98,11 +98,13 @@ class StepScheduler:
 Row = TypeVar("Row")
 
 
-async def gather(queue: asyncio.Queue[Row], scheduler: StepScheduler, max_rows: int) -> list[Row]:
-    """The next step's rows: the first queued row, then every row the scheduler expects,
-    until they are in, ``max_rows`` is reached or the deadline passes. (The server reports
-    each row's arrival to the scheduler when it is queued, not here.)"""
-    batch = [await queue.get()]
+async def gather(queue: asyncio.Queue[Row], scheduler: StepScheduler, max_rows: int,
+                 carried: list[Row] | None = None) -> list[Row]:
+    """The next step's rows: ``carried`` (rows the last step left unfinished) or the first
+    queued row, then every row the scheduler expects, until they are in, ``max_rows`` is
+    reached or the deadline passes. (The server reports each row's arrival to the
+    scheduler when it is queued, not here.)"""
+    batch = list(carried) if carried else [await queue.get()]
     start = time.monotonic()
     waited = False
     while len(batch) < max_rows:
