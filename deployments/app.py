@@ -173,6 +173,7 @@ class TargetDeployment:
                 "held_sessions": len(self.servicer.sessions),
                 "kv_waiting": self.servicer.waiting, "kv_waited": self.servicer.kv["waited"],
                 "kv_preempted": self.servicer.kv["preempted"],
+                "prefill_chunks": self.servicer.chunks,
                 "released": dict(self.servicer.sessions.released), **self.engine.stats()}
 
     def pid(self) -> int:

@@ -96,6 +96,23 @@ def test_target_batches_concurrent_rounds(service, greedy_refs):
     assert after["rows"] - before["rows"] > after["batches"] - before["batches"]
 
 
+def test_long_prompts_are_prefilled_in_chunks_and_outputs_are_unchanged(service, generator,
+                                                                        heldout):
+    """Prompts longer than target.prefill_chunk (64) arrive beside decoding requests: they
+    are fed a chunk a step (the Target counts the chunks) and every output is spec-off's."""
+    long = ["\n".join(heldout[i: i + 4]) for i in range(0, 12, 4)]
+    assert all(len(generator.pair.tokenizer(p).input_ids) > 2 * 64 for p in long)
+    prompts = [*long, *heldout[:5]]
+    refs = [generator.generate(GenerationRequest(prompt=p, max_tokens=MAX_NEW, spec="off"))[1]
+            for p in prompts]
+    before = _target_stats()
+    results = _clients(service.grpc_address, [
+        {"prompt": p, "max_tokens": MAX_NEW, "spec": spec, "k": 3}
+        for p, spec in zip(prompts, ["draft", "ngram", "off"] * 3)])
+    assert [r["token_ids"] for r in results] == refs
+    assert _target_stats()["prefill_chunks"] - before["prefill_chunks"] >= 3 * 2
+
+
 def test_seeded_sampling_is_reproducible(service):
     job = {"prompt": "def read_config(path):\n", "max_tokens": 32, "temperature": 0.9,
            "top_p": 0.95, "seed": 1234, "spec": "draft", "k": 4}
