@@ -52,8 +52,8 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair, chunk):
     engine.pool._swap = lambda a, b: (swaps.append((a, b)), swap(a, b))
     catch_up = []
     forward = engine._forward
-    engine._forward = lambda rows: (catch_up.extend(
-        len(r.feed) - len(r.item.draft_tokens) for r in rows), forward(rows))[1]
+    engine._forward = lambda rows: (catch_up.append(  # per forward, each row's
+        [len(r.feed) - len(r.item.draft_tokens) for r in rows]), forward(rows))[1]
     seqs: dict[str, list[int]] = {}
     windows: dict[str, int] = {}
     carried: list[VerifyItem] = []
@@ -100,10 +100,11 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair, chunk):
     assert len(set(live_slots)) == len(live_slots) and -1 not in live_slots
     owners = [o for o in engine.pool.owner if o is not None]
     assert len(owners) == len(engine._sessions)
+    beside = [max(c) for c in catch_up if min(c) <= 2]  # forwards with a decoding row
     if chunk is None:
-        assert pending == 0 and max(catch_up) > 16
-    else:
-        assert pending > 5 and max(catch_up) == chunk
+        assert pending == 0 and max(beside) > 16
+    else:  # beside decoding rows a chunk at most (a prompt alone is fed whole)
+        assert pending > 5 and max(beside) == chunk
 
 
 def test_unused_pool_entries_never_reach_a_row(builtin_pair):
@@ -283,9 +284,9 @@ def _verify_stream(port: int):
 
     outbox: asyncio.Queue = asyncio.Queue()
 
-    async def outgoing():
+    async def outgoing():  # a list: rows of one message (queued at the server together)
         while (m := await outbox.get()) is not None:
-            yield pb.VerifyBatch(rows=[m])
+            yield pb.VerifyBatch(rows=m if isinstance(m, list) else [m])
 
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     replies = pb_grpc.TargetStub(ch).Verify(outgoing()).__aiter__()
@@ -391,9 +392,10 @@ def test_the_target_server_holds_a_row_until_a_release_makes_room(builtin_pair):
 
 
 def test_the_target_server_runs_a_long_prefill_in_chunks_beside_decoding_rows(builtin_pair):
-    """Through gRPC with ``prefill_chunk``: a 70-token prompt is fed 16 tokens a step; a
-    decoding session's row that arrives meanwhile is answered in the next step, before the
-    prompt's verdict; the verdict and its repair record are the unchunked ones."""
+    """Through gRPC with ``prefill_chunk``: a 70-token prompt that arrives with a decoding
+    session's row is fed 16 tokens a step, each step beside that session's next round, so
+    the session is answered every step before the prompt's verdict; the verdict and its
+    repair record are the unchunked ones. A prompt that arrives alone is fed whole."""
     import asyncio
     import time
 
@@ -401,7 +403,6 @@ def test_the_target_server_runs_a_long_prefill_in_chunks_beside_decoding_rows(bu
     from target_service.server import start_target_server
 
     prompt = [3 + (7 * i) % 50 for i in range(70)]
-    short = list(range(3, 9))
     (ref,) = TargetEngine(builtin_pair.target).verify(
         [VerifyItem("b", len(prompt), 0, prompt, [5, 6], None, SamplingParams())])
     engine = TargetEngine(builtin_pair.target)
@@ -415,23 +416,41 @@ def test_the_target_server_runs_a_long_prefill_in_chunks_beside_decoding_rows(bu
 
     async def main():
         server, port, servicer = await start_target_server(
-            engine, "127.0.0.1", 0, "t", batch_wait_s=0.0, prefill_chunk=16)
+            engine, "127.0.0.1", 0, "t", batch_wait_s=0.1, prefill_chunk=16)
         send, nxt, close = _verify_stream(port)
+        buffered: list = []
+
+        async def one():  # the next reply (a message may pack several)
+            while not buffered:
+                buffered.extend(await nxt())
+            return buffered.pop(0)
+
         try:
-            await send(row(1, "a", short))
-            (a1,) = await nxt()
-            await send(row(2, "b", prompt, drafts=[5, 6]))
-            while servicer.chunks == 0:  # the event: b's first chunk ran, b is carried
-                await asyncio.sleep(0.01)
-            await send(row(3, "a", [*short, a1.extra_token], start=len(short)))
-            got = [r for _ in range(2) for r in await nxt()]
-            assert [r.call_id for r in got] == [3, 2]  # a's round did not wait for b's prompt
-            b = got[1]
-            assert not b.error and not b.cache_miss
-            assert (b.num_accepted, b.extra_token, b.bonus) == \
+            a = list(range(3, 9))
+            await send(row(1, "a", a))
+            got = await one()
+            a.append(got.extra_token)
+            await send([row(2, "a", a, start=len(a) - 1), row(3, "b", prompt, drafts=[5, 6])])
+            a_rounds, call = 0, 3
+            while True:
+                got = await one()
+                if got.call_id == 3:
+                    break
+                a_rounds += 1  # a's next round: the step waits for it (batch_wait_s)
+                a.append(got.extra_token)
+                call += 1
+                await send(row(call, "a", a, start=len(a) - 1))
+            assert not got.error and not got.cache_miss
+            assert (got.num_accepted, got.extra_token, got.bonus) == \
                 (ref.num_accepted, ref.extra_token, ref.bonus)
-            assert (b.repair.kept, b.repair.fed) == (0, 70)
+            assert (got.repair.kept, got.repair.fed) == (0, 70)
             assert servicer.chunks == 4  # 16, 32, 48, 64 pending; 70 and the drafts: verdict
+            assert a_rounds == 4  # answered in every step of b's chunks, before b's verdict
+            last = await one()  # a's round sent after b's chunk steps
+            assert last.call_id == call and not last.error
+            await send(row(call + 1, "c", prompt))  # alone: nothing to stall, fed whole
+            alone = await one()
+            assert not alone.error and servicer.chunks == 4 and alone.repair.fed == 70
             assert servicer.queued == 0 and engine.misses == 0
             await close()
         finally:
