@@ -196,10 +196,10 @@ class TargetOptions(BaseModel):
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per target "
                          "replica (one placement group of tp_size bundles, STRICT_PACK, each "
                          "with this scaling's CPUs/GPUs); must divide the target's heads")
-    prefill_chunk: int | None = Field(64, ge=16, le=1 << 20, description="a row with more "
-                                      "committed tokens to feed than this (a prefill, a "
-                                      "rebuild) feeds this many a step, so an arrival adds "
-                                      "at most this to the decoding rows' step (null: the "
+    prefill_chunk: int | None = Field(64, ge=16, le=1 << 20, description="beside decoding rows, a "
+                                      "row with more committed tokens to feed than this (a "
+                                      "prefill, a rebuild) feeds this many a step, so an "
+                                      "arrival adds at most this to their step (null: the "
                                       "whole prompt in one step)")
     tp_timeout_s: float = Field(30.0, gt=0, le=3600, description="collective timeout of a "
                                 "tensor-parallel group: a rank silent this long fails the group")

@@ -98,19 +98,30 @@ def test_target_batches_concurrent_rounds(service, greedy_refs):
 
 def test_long_prompts_are_prefilled_in_chunks_and_outputs_are_unchanged(service, generator,
                                                                         heldout):
-    """Prompts longer than target.prefill_chunk (64) arrive beside decoding requests: they
-    are fed a chunk a step (the Target counts the chunks) and every output is spec-off's."""
+    """Prompts longer than target.prefill_chunk (64) arrive while short requests decode
+    (sent once every short stream has its first tokens): they are fed a chunk a step
+    beside them (the Target counts the chunks) and every output is spec-off's."""
+    from service_client import run
+
     long = ["\n".join(heldout[i: i + 6]) for i in range(0, 18, 6)]
     assert all(len(generator.pair.tokenizer(p).input_ids) > 3 * 64 for p in long)
-    prompts = [*long, *heldout[:5]]
-    refs = [generator.generate(GenerationRequest(prompt=p, max_tokens=MAX_NEW, spec="off"))[1]
-            for p in prompts]
+    short = heldout[:6]
+
+    def ref(p: str, n: int) -> list[int]:
+        return generator.generate(GenerationRequest(prompt=p, max_tokens=n, spec="off"))[1]
+
+    refs_short, refs_long = [ref(p, 200) for p in short], [ref(p, MAX_NEW) for p in long]
     before = _target_stats()
-    results = _clients(service.grpc_address, [
-        {"prompt": p, "max_tokens": MAX_NEW, "spec": spec, "k": 3}
-        for p, spec in zip(prompts, ["draft", "ngram", "off"] * 3)])
-    assert [r["token_ids"] for r in results] == refs
-    assert _target_stats()["prefill_chunks"] - before["prefill_chunks"] >= 3 * 3
+    late: list[dict] = []
+    decoding = stream_with_fault(
+        service.grpc_address, [{"prompt": p, "max_tokens": 200, "spec": "off"} for p in short],
+        lambda: late.extend(run(service.grpc_address, [
+            {"prompt": p, "max_tokens": MAX_NEW, "spec": spec, "k": 3}
+            for p, spec in zip(long, ["draft", "ngram", "off"], strict=True)], "specserve")),
+        after_tokens=4)
+    assert [r["token_ids"] for r in late] == refs_long
+    assert [r["token_ids"] for r in decoding] == refs_short
+    assert _target_stats()["prefill_chunks"] - before["prefill_chunks"] >= 3
 
 
 def test_seeded_sampling_is_reproducible(service):
