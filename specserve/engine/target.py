@@ -254,7 +254,7 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             value[run.rows, :, : run.keys], attn_mask=run.mask, scale=scaling,
             enable_gqa=key.shape[1] != h)  # [rows, H, T, D]
         out.append(o.transpose(1, 2).reshape(b * run.t, h, d)[run.where])
-    return torch.cat(out)[None], None
+    return (out[0] if len(out) == 1 else torch.cat(out))[None], None
 
 
 @dataclass
@@ -276,9 +276,10 @@ class _Run:
 _RUN_SLACK = 2
 
 
-def _runs(feeds: list[int], pasts: list[int], short: int, device: torch.device) -> list[_Run]:
+def _runs(feeds: list[int], past: torch.Tensor, row_tok: torch.Tensor, j_tok: torch.Tensor,
+          short: int, device: torch.device) -> list[_Run]:
     """The packed step's rows split into maximal runs of short (feed <= ``short``) and
-    long rows."""
+    long rows; ``row_tok`` / ``j_tok``: each packed token's row and index in its feed."""
     runs: list[_Run] = []
     row, tok = 0, 0
     while row < len(feeds):
@@ -286,15 +287,15 @@ def _runs(feeds: list[int], pasts: list[int], short: int, device: torch.device) 
         end = row
         while end < len(feeds) and (feeds[end] <= short) == kind:
             end += 1
-        n, past = feeds[row:end], torch.tensor(pasts[row:end])
-        t = max(n)
-        keys = int((past + torch.tensor(n)).max())
-        where = torch.cat([i * t + torch.arange(m) for i, m in enumerate(n)])
+        n, p = feeds[row:end], past[row:end]
+        t, size = max(n), sum(n)
+        keys = max(a + b for a, b in zip(p.tolist(), n, strict=True))
+        where = (row_tok[tok: tok + size] - row) * t + j_tok[tok: tok + size]
         mask = torch.arange(keys)[None, None, None, :] <= \
-            (past[:, None] + torch.arange(t))[:, None, :, None]
-        runs.append(_Run(slice(row, end), slice(tok, tok + sum(n)), where.to(device), t,
+            (p[:, None] + torch.arange(t))[:, None, :, None]
+        runs.append(_Run(slice(row, end), slice(tok, tok + size), where.to(device), t,
                          keys, mask.to(device)))
-        row, tok = end, tok + sum(n)
+        row, tok = end, tok + size
     return runs
 
 
@@ -512,9 +513,10 @@ class TargetEngine(LRUSessions):
         if rows:
             live = [(i, r) for i, r in rows if not r.pending]
             logits = self._forward([r for _, r in rows])  # [B, K+1, V]
-            at = [j for j, (_, r) in enumerate(rows) if not r.pending]
-            results = self._decide([r for _, r in live], logits[at]) if live else []
-            logprobs = self._logprobs([r for _, r in live], logits[at], results)
+            if len(live) < len(rows):  # the verdicts' rows only (one copy of their logits)
+                logits = logits[[j for j, (_, r) in enumerate(rows) if not r.pending]]
+            results = self._decide([r for _, r in live], logits) if live else []
+            logprobs = self._logprobs([r for _, r in live], logits, results)
             tokens = sum(len(r.item.draft_tokens) + 1 for _, r in live)
             fed = sum(len(r.feed) for _, r in rows)
             for (idx, row), (n, extra, bonus), lp in zip(live, results, logprobs, strict=True):
@@ -643,7 +645,7 @@ class TargetEngine(LRUSessions):
             len(r.item.draft_tokens) + 1) for r, end in zip(rows, ends.tolist(), strict=True)])
         dev = self.device
         k_max = max(len(r.item.draft_tokens) for r in rows)
-        runs = _runs(n, past.tolist(), k_max + 1 + _RUN_SLACK, dev)
+        runs = _runs(n, past, row_tok, j_tok, k_max + 1 + _RUN_SLACK, dev)
         with _attention(self.model.config, _PACKED):
             out = self.model(  # the mask is the runs' (the model's own is a placeholder)
                 input_ids=torch.tensor([[x for r in rows for x in r.feed]]).to(dev),
