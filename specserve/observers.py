@@ -269,7 +269,11 @@ class RoundLog(Observer):
     (committed), ``round_no``, ``round_s``, ``propose_s``, ``verify_s``, ``gap_s``,
     ``rows`` / ``queued`` (the verify reply's batch and the target's queue),
     ``batch_tokens`` / ``batch_fed`` (positions the step verified / fed: more fed than
-    verified is a prefill or a rebuild in the step), ``fed`` (``RoundOutcome.caught_up``)."""
+    verified is a prefill or a rebuild in the step), ``fed`` (``RoundOutcome.caught_up``),
+    ``expected`` / ``predicted_s`` (the committed tokens and round time the plan was chosen
+    on: spec=auto's cost model; 0 for a fixed mode), ``verify_compute_s`` /
+    ``propose_compute_s`` (the replicas' own compute, which the cost model's fits learn
+    from; 0 in process, where no replica reports it)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -290,7 +294,10 @@ class RoundLog(Observer):
             "round_no": o.round_no, "round_s": round(o.round_s, 6),
             "propose_s": round(o.propose_s, 6), "verify_s": round(o.verify_s, 6),
             "gap_s": round(o.gap_s, 6), "rows": v.batch_size, "queued": v.queue_rows,
-            "batch_tokens": v.batch_tokens, "batch_fed": v.batch_fed, "fed": o.caught_up}) + "\n")
+            "batch_tokens": v.batch_tokens, "batch_fed": v.batch_fed, "fed": o.caught_up,
+            "expected": round(o.plan.expected, 4), "predicted_s": round(o.plan.cost_s, 6),
+            "verify_compute_s": round(v.call.compute_s, 6),
+            "propose_compute_s": round(o.proposal.call.compute_s, 6)}) + "\n")
 
     def close(self) -> None:
         self._file.close()

@@ -286,6 +286,15 @@ def test_the_round_log_has_every_round_of_every_request(builtin_pair, tmp_path):
         assert all(r["rows"] >= 1 and r["round_s"] > 0 for r in mine)
         assert mine[0]["batch_fed"] >= st["prompt_tokens"]  # the prefill is in the first step
         assert mine[0]["gap_s"] == 0 and all(r["gap_s"] > 0 for r in mine[1:])
+        assert all(0 <= r["verify_compute_s"] <= r["verify_s"] for r in mine)
+        assert all(r["propose_compute_s"] >= 0 for r in mine)
+    # what a plan was chosen on: auto's from its cost model, none for a fixed mode
+    auto = [r for r in lines if r["request"] == "log-auto"]
+    assert auto and all(r["expected"] >= 1 and r["predicted_s"] > 0 for r in auto
+                        if r["reason"] not in ("budget", "off", "no_lookup_match",
+                                               "drafter_unavailable"))
+    assert all(r["expected"] == 0 and r["predicted_s"] == 0
+               for r in lines if r["request"] == "log-draft")
     assert {r["spec"] for r in lines} == {"draft", "auto"}
     assert next(r["k"] for r in lines if r["request"] == "log-draft") == 4
     est = round_time_estimates(lines)
