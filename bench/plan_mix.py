@@ -1,0 +1,78 @@
+"""Which plans each run of a suite ran, from the router's round log: per plan, its share
+of the run's round time (with the gaps), rounds, tokens a round and ms a round; for auto,
+the plans of each BIN-second stretch of the run and the tokens/s committed in it.
+
+    scripts/isolated .venv/bin/specserve bench --suite --round-log /tmp/rounds.jsonl ... \\
+        --out /tmp/suite
+    .venv/bin/python bench/plan_mix.py /tmp/suite/report.json /tmp/rounds.jsonl
+
+The stretches of one run are at different times, with different rows and text: a hint of
+where the plans differ, not a ranking (docs/benchmarks.md, "A cold router at c=32").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+
+def _key(r: dict) -> str:
+    return f"{r['proposer']}:{r['k']}" if r["k"] else "none:0"
+
+
+def _plans(rounds: list[dict]) -> list[str]:
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in rounds:
+        by[_key(r)].append(r)
+    total = sum(r["round_s"] + r["gap_s"] for r in rounds) or 1.0
+    out = []
+    for key, rs in sorted(by.items(), key=lambda kv: -len(kv[1])):
+        t = sum(r["round_s"] + r["gap_s"] for r in rs)
+        out.append(f"  {key:9s} {100 * t / total:5.1f} % of time, {len(rs):5d} rounds, "
+                   f"{sum(r['tokens'] for r in rs) / len(rs):.2f} tokens and "
+                   f"{1000 * t / len(rs):7.1f} ms a round")
+    return out
+
+
+def _stretches(rounds: list[dict], seconds: float) -> list[str]:
+    t0, bins = rounds[0]["t"], defaultdict(list)
+    for r in rounds:
+        bins[int((r["t"] - t0) // seconds)].append(r)
+    return [f"  {b * seconds:5.0f} s: {sum(r['tokens'] for r in rs) / seconds:6.1f} tokens/s, "
+            + ", ".join(f"{k} {n}" for k, n in Counter(map(_key, rs)).most_common(3))
+            for b, rs in sorted(bins.items())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("report", type=Path, help="the suite's report.json")
+    ap.add_argument("round_log", type=Path, help="the router.round_log file of that run")
+    ap.add_argument("--bin", type=float, default=3.0, help="seconds a stretch (default 3)")
+    args = ap.parse_args(argv)
+    if args.bin <= 0:
+        ap.error("--bin: give a positive number of seconds")
+    report = json.loads(args.report.read_text())
+    log = sorted((json.loads(line) for line in args.round_log.read_text().splitlines()
+                  if line), key=lambda r: r["t"])
+    if not log:
+        print(f"{args.round_log}: no rounds logged", file=sys.stderr)
+        return 1
+    for cls, body in report["classes"].items():
+        for level, configs in body["levels"].items():
+            for name, row in configs.items():
+                for i, (a, b) in enumerate(row.get("windows_runs") or []):
+                    rounds = [r for r in log if a <= r["t"] <= b]
+                    print(f"## {cls} c={level} {name} run {i}: {len(rounds)} rounds, "
+                          f"{b - a:.1f} s")
+                    if rounds:
+                        print("\n".join(_plans(rounds)))
+                        if name == "auto":
+                            print("\n".join(_stretches(rounds, args.bin)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
