@@ -187,6 +187,15 @@ def round_time_estimates(rounds: Sequence[Mapping]) -> dict | None:
                                                     for r in rounds])))}
 
 
+def runs_rounds(level: Mapping[str, Mapping], records: Sequence[Mapping],
+                times: np.ndarray | None = None) -> dict[str, list[list[Mapping]]]:
+    """One level's logged rounds by configuration and run: a report's ``windows_runs`` say
+    which rounds of the round log (``records``; ``times``: their ``t``) were whose."""
+    ts = np.array([r["t"] for r in records]) if times is None else times
+    return {name: [[records[i] for i in np.flatnonzero((ts >= a) & (ts <= b))]
+                   for a, b in row.get("windows_runs") or []] for name, row in level.items()}
+
+
 def round_costs(levels: Mapping[str, Mapping[str, Mapping]], records: Sequence[Mapping],
                 reference: str = "off") -> dict[str, dict[str, list[dict]]]:
     """Per level and configuration, repeat by repeat: the run's real tokens/s and the three
@@ -200,9 +209,8 @@ def round_costs(levels: Mapping[str, Mapping[str, Mapping]], records: Sequence[M
     for lvl, level in levels.items():
         if reference not in level or "windows_runs" not in level[reference]:
             continue
-        est = {name: [round_time_estimates(
-            [records[i] for i in np.flatnonzero((ts >= a) & (ts <= b))])
-            for a, b in row["windows_runs"]] for name, row in level.items()}
+        est = {name: [round_time_estimates(rounds) for rounds in runs]
+               for name, runs in runs_rounds(level, records, ts).items()}
         real = {name: row["aggregate_tokens_per_s_runs"] for name, row in level.items()}
         for name in level:
             if name == reference:

@@ -4,7 +4,7 @@ the plans of each BIN-second stretch of the run and the tokens/s committed in it
 
     scripts/isolated .venv/bin/specserve bench --suite --round-log /tmp/rounds.jsonl ... \\
         --out /tmp/suite
-    .venv/bin/python bench/plan_mix.py /tmp/suite/report.json /tmp/rounds.jsonl
+    .venv/bin/python bench/round_plans.py /tmp/suite/report.json /tmp/rounds.jsonl
 
 The stretches of one run are at different times, with different rows and text: a hint of
 where the plans differ, not a ranking (docs/benchmarks.md, "A cold router at c=32").
@@ -17,6 +17,8 @@ import json
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from specserve.bench.analysis import runs_rounds
 
 
 def _key(r: dict) -> str:
@@ -62,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for cls, body in report["classes"].items():
         for level, configs in body["levels"].items():
-            for name, row in configs.items():
-                for i, (a, b) in enumerate(row.get("windows_runs") or []):
-                    rounds = [r for r in log if a <= r["t"] <= b]
+            for name, runs in runs_rounds(configs, log).items():
+                for i, rounds in enumerate(runs):
+                    a, b = configs[name]["windows_runs"][i]
                     print(f"## {cls} c={level} {name} run {i}: {len(rounds)} rounds, "
                           f"{b - a:.1f} s")
                     if rounds:
