@@ -99,6 +99,10 @@ PREFILL_FED = 8  # a target step that fed more positions than its rows' drafts a
 # tokens by more than this had a prefill or a cache rebuild in it: not a decoding round
 LOAD_STEP = 0.2  # a batch's plan is scored at its rows smoothed over ~1 / LOAD_STEP rounds
 STALL = 3.0  # an online time above this many times the fit's prediction counts as this much
+TRY_AFTER = 24  # batch rounds on one plan before the batch tries the plan one draft down
+TRY_FLOOR = 0.85  # only if the model scores it this close to the plan
+TRY_ROUNDS = 8  # batch rounds a try lasts at most (its measurement needs MEASURED_AFTER + 1)
+TRY_AGAIN = 4  # batch rounds after a try the batch took before it tries the next one down
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate; a search over a long context costs ~0.2 ms of router time)
 
@@ -316,6 +320,9 @@ class CostModel:
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
+    plan_since: int = 0  # ``rounds`` when the batch's plan last changed or was tried against
+    trying: tuple[tuple[str | None, int], tuple[str | None, int]] | None = None  # a try
+    # of a neighbouring plan, and the plan to return to (``GoodputPolicy.try_neighbour``)
     # (proposer, k, load bucket) -> what a plan's last rounds took there; see ``round_s``
     measured: dict[tuple[str | None, int, int], _Measured] = field(default_factory=dict)
     ticks: int = 0  # rounds measured
@@ -359,6 +366,12 @@ class CostModel:
             return predicted * self._correction(proposer, k, m, b)
         m.ratio = m.seconds / max(predicted, 1e-6)
         return m.seconds
+
+    def fresh_at(self, proposer: str | None, k: int, rows: int) -> bool:
+        """Whether the plan has a measured round time at this load (``round_s``)."""
+        b = _bucket(rows)
+        m = self.measured.get((proposer, k, b))
+        return m is not None and self._fresh(m, b)
 
     def noise(self, proposer: str | None, k: int, rows: int) -> float:
         """The relative standard error of the plan's measured time at this load (0 where it
@@ -484,7 +497,11 @@ class CostModel:
             if p == "ngram" and (hops := o.proposal.call.hops()):  # not its wait behind
                 fixed -= hops[1]  # other rows' draft steps (a batch sharing it has none)
             self.call_s[p] = _ema_low(self.call_s.get(p), max(0.0, fixed))
-        self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
+        # every row of a step reports it: a report weighs 1 / rows, so the estimate spans
+        # ~10 steps at any load (per report, at c=32 it spanned a third of one, and priced
+        # every plan with the running plan's last stall or slowdown)
+        self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify),
+                               0.1 / max(1, v.batch_size))
         self._measure(o, steady)
         if v.batch_size > 0:
             self.rows = v.batch_size + v.queue_rows
@@ -607,13 +624,21 @@ class GoodputPolicy:
         plans = [(None, 0), *((p, k) for p in ("draft", "ngram")[not self.has_drafter:]
                               for k in range(1, self.k_max + 1))]
         scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}
-        current = c.batch_plan if c.batch_plan in scores else (None, 0)
+        ended = c.trying is not None  # a try ends in this call, unless it goes on
+        current = self.try_neighbour(scores, others + 1)
+        if c.trying is not None:  # the batch's try (``explore``), within this row's budget
+            p, k = c.trying[0]
+            plan = scores[(p, min(k, k_cap)) if p and k_cap else (None, 0)][1]
+            self.blind_lookup = plan.proposer == "ngram"
+            return replace(plan, reason="explore")
         cur_noise = c.noise(*current, others + 1)
         better = [plan for plan in plans if scores[plan][0] > scores[current][0] * (
             1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0])
             + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1)))]
         if better:  # the best of those that clear their margin
             c.batch_plan = current = max(better, key=lambda plan: scores[plan][0])
+            if not ended:  # (the one after a try keeps its ``TRY_AGAIN``)
+                c.plan_since = c.rounds
         proposer, k = current[0], min(current[1], k_cap)
         if k > 0:
             self.blind_lookup = proposer == "ngram"
@@ -622,6 +647,40 @@ class GoodputPolicy:
                     key=lambda s: s[0])  # would it pay without the others?
         reason = "saturated" if alone[0] > self.score(None, 0, 0)[0] else "low_acceptance"
         return replace(scores[(None, 0)][1], reason=reason)
+
+    def try_neighbour(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
+                      rows: int) -> tuple[str | None, int]:
+        """The batch's plan, after starting or ending a try of the plan one draft down. A
+        plan priced by the model carries the running plan's unmodelled costs: the shared
+        ``overhead_s`` has the running plan's drafter contention in it, and a fit cannot
+        tell a draft from a row where k does not vary. Those costs grow with the drafts (a
+        drafter beside the target slows its forward; a plan that commits more a round has
+        more arrivals' prefills a round), so the model overprices the plans with fewer
+        drafts than the running one and may never measure them: under load a batch kept a
+        k whose measured time was the worst of all (plans with more drafts it underprices,
+        and tries on its word). So after ``TRY_AFTER`` batch rounds on one plan, the batch
+        runs the plan one draft down (the same proposer; below k = 1, nobody), if not
+        measured lately at this load and scored within ``TRY_FLOOR`` of the plan, until its
+        time is measured there (at most ``TRY_ROUNDS`` batch rounds), and goes back; then
+        the measured times decide as for any plan (``in_batch``). If it took the tried
+        plan, the next one down is tried ``TRY_AGAIN`` batch rounds later."""
+        c = self.cost
+        current = c.batch_plan if c.batch_plan in scores else (None, 0)
+        if c.trying is not None:
+            tried, home = c.trying
+            if c.fresh_at(*tried, rows) or c.rounds - c.plan_since > TRY_ROUNDS * rows:
+                c.trying, c.batch_plan = None, home
+                c.plan_since = c.rounds - (TRY_AFTER - TRY_AGAIN) * rows
+                return home if home in scores else (None, 0)
+            return current
+        if current[1] == 0 or c.rounds - c.plan_since <= TRY_AFTER * rows:
+            return current
+        down = (current[0], current[1] - 1) if current[1] > 1 else (None, 0)
+        c.plan_since = c.rounds
+        if down in scores and not c.fresh_at(*down, rows) \
+                and scores[down][0] >= TRY_FLOOR * scores[current][0]:
+            c.trying, c.batch_plan = (down, current), down
+        return current
 
     def reproducible(self, state: RequestState, k_cap: int) -> Plan:
         """A sampled request's plan: a function of its committed tokens alone, so that its

@@ -601,8 +601,11 @@ def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch
     """Under load too: a batch of 16 whose rounds take longer with each draft than any
     term of the model says (where the drafter shares the target's CPUs, drafting slows
     the target's forward: here 4 ms x k^2 a round on top of the fitted costs). Its rounds
-    are measured at its load, so the batch's shared k comes down to one whose measured
-    goodput is best (truth: k = 1, k = 2 within 3 %); the model alone keeps k = 4."""
+    are measured at its load, and the batch tries the plan one draft down now and then
+    (which the model overprices: the shared overhead carries the running plan's slowdown),
+    so its shared k comes down to one whose measured goodput is best (truth: k = 1, k = 2
+    within 3 %), whatever the acceptance draws (seeds); the model alone keeps k = 4 in
+    most."""
     import random
 
     import specserve.policy as pol
@@ -613,13 +616,14 @@ def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch
     def true_s(k: int) -> float:  # the round: verify, k draft steps, the slowdown
         return verify_s(k) + 0.0002 * k + 0.004 * k ** 2
 
-    def run(measured: bool) -> list[Plan]:
+    def run(measured: bool, seed: int = 0) -> list[Plan]:
         if not measured:
             monkeypatch.setattr(pol, "MEASURED_AFTER", 10**9)
+            monkeypatch.setattr(pol, "TRY_AFTER", 10**9)
         cost = seeded(0.0002)
         rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(16)]
         sts = [state() for _ in rows]
-        rng, plans = random.Random(0), []
+        rng, plans = random.Random(seed), []
         for _ in range(60):
             for policy, st in zip(rows, sts, strict=True):
                 plan = policy.choose(st)
@@ -634,10 +638,12 @@ def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch
         e = {k: sum(0.6 ** j for j in range(k + 1)) for k in range(K + 1)}
         return sum(e[p.k] for p in plans) / sum(true_s(p.k) for p in plans)
 
-    late_m, late_model = run(True)[-16 * 20:], run(False)[-16 * 20:]
-    assert sum(1 <= p.k <= 2 for p in late_m) > 0.8 * len(late_m)
-    assert sum(p.k == 4 for p in late_model) > 0.8 * len(late_model)
-    assert goodput(late_m) > 1.3 * goodput(late_model)
+    late_m = [run(True, seed)[-16 * 20:] for seed in range(6)]
+    late_model = [run(False, seed)[-16 * 20:] for seed in range(6)]
+    assert sum(p.k == 4 for late in late_model for p in late) > 0.5 * 6 * 16 * 20
+    for late in late_m:
+        assert sum(1 <= p.k <= 2 for p in late) > 0.8 * len(late)
+    assert sum(map(goodput, late_m)) > 1.2 * sum(map(goodput, late_model))
 
 
 def test_a_plans_measured_time_is_its_steady_rounds_mean_with_their_gaps():
