@@ -48,7 +48,8 @@ failed or is missing), ``budget`` (no room for a draft: max_tokens or the contex
 ``explore`` (a row alone that found speculation not worth it ``EXPLORE_AFTER`` rounds in a
 row drafts once, its best candidate: its acceptance and the drafts' cost are measured only
 where it drafts, and an estimate made on a bad stretch, or a cost model that overprices
-drafts, would otherwise keep it at k = 0 for good).
+drafts, would otherwise keep it at k = 0 for good; and a batch's try of the plan one draft
+down, which the model overprices: ``try_neighbour``).
 
 Greedy requests only: their output is the target's whatever the plan. A sampled request's
 tokens depend on where drafts were proposed, so its plans must not depend on timing or load
@@ -497,11 +498,7 @@ class CostModel:
             if p == "ngram" and (hops := o.proposal.call.hops()):  # not its wait behind
                 fixed -= hops[1]  # other rows' draft steps (a batch sharing it has none)
             self.call_s[p] = _ema_low(self.call_s.get(p), max(0.0, fixed))
-        # every row of a step reports it: a report weighs 1 / rows, so the estimate spans
-        # ~10 steps at any load (per report, at c=32 it spanned a third of one, and priced
-        # every plan with the running plan's last stall or slowdown)
-        self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify),
-                               0.1 / max(1, v.batch_size))
+        self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
         self._measure(o, steady)
         if v.batch_size > 0:
             self.rows = v.batch_size + v.queue_rows

@@ -641,9 +641,9 @@ def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch
     late_m = [run(True, seed)[-16 * 20:] for seed in range(6)]
     late_model = [run(False, seed)[-16 * 20:] for seed in range(6)]
     assert sum(p.k == 4 for late in late_model for p in late) > 0.5 * 6 * 16 * 20
-    for late in late_m:
-        assert sum(1 <= p.k <= 2 for p in late) > 0.8 * len(late)
-    assert sum(map(goodput, late_m)) > 1.2 * sum(map(goodput, late_model))
+    for late in late_m:  # (before the tries, seed 1 stayed at k = 3 for good)
+        assert sum(1 <= p.k <= 2 for p in late) > 0.7 * len(late)
+    assert sum(map(goodput, late_m)) > 1.15 * sum(map(goodput, late_model))
 
 
 def test_a_plans_measured_time_is_its_steady_rounds_mean_with_their_gaps():
@@ -681,6 +681,42 @@ def test_a_step_with_another_rows_prefill_is_a_plans_cost_not_a_verify_time():
         times.append(o.round_s)
     assert policy.cost.round_s("draft", 2, 2, 1.0) == pytest.approx(sum(times) / len(times))
     assert policy.cost.verify_s(2, 6) < 0.1
+
+
+def test_a_batch_tries_the_plan_one_draft_down_and_its_measured_time_decides():
+    """The model prices a plan with fewer drafts than the running one with the running
+    one's overhead, so a batch could keep a plan whose rounds are dear for good. After
+    TRY_AFTER batch rounds on one plan it runs the plan one draft down until that is
+    measured at its load (at most TRY_ROUNDS batch rounds) and goes back; the measured
+    times then decide. A batch on k = 4 (every draft accepted: the model's best) whose
+    k = 3 rounds are found dear returns to k = 4 and stays (no try again while the
+    measurement lasts); found cheap, the batch takes k = 3."""
+    import specserve.policy as pol
+
+    def run(k3_s: float) -> list[Plan]:
+        cost = seeded(0.0002)
+        cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("draft", 4)
+        cost.lookup_match = 0.0  # draft model or nobody
+        cost.pooled["draft"].alpha = [0.95] * len(cost.pooled["draft"].alpha)
+        rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
+        sts = [state() for _ in rows]
+        plans = []
+        for _ in range(pol.TRY_AFTER + 3 * pol.TRY_ROUNDS):  # batch rounds
+            for policy, st in zip(rows, sts, strict=True):
+                plan = policy.choose(st)
+                plans.append(plan)
+                o = outcome(plan, plan.k, batch_size=4, others_drafts=3 * plan.k)
+                policy.observe(st, replace(o, round_s=k3_s if plan.k == 3 else 0.05))
+        return plans
+
+    for k3_s, after in ((0.08, 4), (0.02, 3)):
+        plans = run(k3_s)
+        tried = [i for i, p in enumerate(plans) if p.reason == "explore"]
+        assert tried and all(plans[i].k == 3 for i in tried)
+        assert all(p.k == 4 for p in plans[:tried[0]])
+        assert tried[0] >= 4 * pol.TRY_AFTER  # not before TRY_AFTER batch rounds
+        assert tried[-1] - tried[0] < 4 * pol.TRY_ROUNDS  # one try, measured, then over
+        assert all(p.k == after for p in plans[tried[-1] + 5:])
 
 
 def test_a_proposer_the_batches_stopped_choosing_is_tried_again(monkeypatch):
