@@ -49,7 +49,7 @@ failed or is missing), ``budget`` (no room for a draft: max_tokens or the contex
 row drafts once, its best candidate: its acceptance and the drafts' cost are measured only
 where it drafts, and an estimate made on a bad stretch, or a cost model that overprices
 drafts, would otherwise keep it at k = 0 for good; and a batch's try of the plan one draft
-down, which the model overprices: ``try_neighbour``).
+down, which the model overprices: ``try_down``).
 
 Greedy requests only: their output is the target's whatever the plan. A sampled request's
 tokens depend on where drafts were proposed, so its plans must not depend on timing or load
@@ -323,7 +323,7 @@ class CostModel:
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
     plan_since: int = 0  # ``rounds`` when the batch's plan last changed or was tried against
     trying: tuple[tuple[str | None, int], tuple[str | None, int]] | None = None  # a try
-    # of the plan one draft down, and the plan to return to (``GoodputPolicy.try_neighbour``)
+    # of the plan one draft down, and the plan to return to (``GoodputPolicy.try_down``)
     # (proposer, k, load bucket) -> what a plan's last rounds took there; see ``round_s``
     measured: dict[tuple[str | None, int, int], _Measured] = field(default_factory=dict)
     ticks: int = 0  # rounds measured
@@ -368,18 +368,17 @@ class CostModel:
         m.ratio = m.seconds / max(predicted, 1e-6)
         return m.seconds
 
-    def fresh_at(self, proposer: str | None, k: int, rows: int) -> bool:
-        """Whether the plan has a measured round time at this load (``round_s``)."""
+    def fresh_at(self, proposer: str | None, k: int, rows: int) -> _Measured | None:
+        """The plan's measured round times at this load, if they price it (``round_s``)."""
         b = _bucket(rows)
         m = self.measured.get((proposer, k, b))
-        return m is not None and self._fresh(m, b)
+        return m if m is not None and self._fresh(m, b) else None
 
     def noise(self, proposer: str | None, k: int, rows: int) -> float:
         """The relative standard error of the plan's measured time at this load (0 where it
         is priced by the model: ``round_s``)."""
-        b = _bucket(rows)
-        m = self.measured.get((proposer, k, b))
-        return m.rse if m is not None and self._fresh(m, b) else 0.0
+        m = self.fresh_at(proposer, k, rows)
+        return m.rse if m is not None else 0.0
 
     def _fresh(self, m: _Measured, b: int) -> bool:
         return m.n >= MEASURED_AFTER * b and self.ticks - m.tick <= MEASURED_STALE * b
@@ -622,10 +621,10 @@ class GoodputPolicy:
                               for k in range(1, self.k_max + 1))]
         scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}
         ended = c.trying is not None  # a try ends in this call, unless it goes on
-        current = self.try_neighbour(scores, others + 1)
+        current = self.try_down(scores, others + 1)
         if c.trying is not None:  # the batch's try (``explore``), within this row's budget
             p, k = c.trying[0]
-            plan = scores[(p, min(k, k_cap)) if p and k_cap else (None, 0)][1]
+            plan = scores[(p, min(k, k_cap)) if p else (None, 0)][1]
             self.blind_lookup = plan.proposer == "ngram"
             return replace(plan, reason="explore")
         cur_noise = c.noise(*current, others + 1)
@@ -645,7 +644,7 @@ class GoodputPolicy:
         reason = "saturated" if alone[0] > self.score(None, 0, 0)[0] else "low_acceptance"
         return replace(scores[(None, 0)][1], reason=reason)
 
-    def try_neighbour(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
+    def try_down(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
                       rows: int) -> tuple[str | None, int]:
         """The batch's plan, after starting or ending a try of the plan one draft down. A
         plan priced by the model carries the running plan's unmodelled costs: the shared
@@ -666,7 +665,7 @@ class GoodputPolicy:
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
         if c.trying is not None:
             tried, home = c.trying
-            if c.fresh_at(*tried, rows) or c.rounds - c.plan_since > TRY_ROUNDS * rows:
+            if c.fresh_at(*tried, rows) is not None or c.rounds - c.plan_since > TRY_ROUNDS * rows:
                 c.trying, c.batch_plan = None, home
                 c.plan_since = c.rounds - (TRY_AFTER - TRY_AGAIN) * rows
                 return home if home in scores else (None, 0)
@@ -675,7 +674,7 @@ class GoodputPolicy:
             return current
         down = (current[0], current[1] - 1) if current[1] > 1 else (None, 0)
         c.plan_since = c.rounds
-        if down in scores and not c.fresh_at(*down, rows) \
+        if down in scores and c.fresh_at(*down, rows) is None \
                 and scores[down][0] >= TRY_FLOOR * scores[current][0]:
             c.trying, c.batch_plan = (down, current), down
         return current
