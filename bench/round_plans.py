@@ -1,5 +1,6 @@
 """Which plans each run of a suite ran, from the router's round log: per plan, its share
-of the run's round time (with the gaps), rounds, tokens a round and ms a round; for auto,
+of the run's round time (with the gaps), rounds, tokens a round, ms a round and the ms of
+it that the verify call waited beyond the target's compute (for the step); for auto,
 the plans of each BIN-second stretch of the run and the tokens/s committed in it.
 
     scripts/isolated .venv/bin/specserve bench --suite --round-log /tmp/rounds.jsonl ... \\
@@ -33,9 +34,13 @@ def _plans(rounds: list[dict]) -> list[str]:
     out = []
     for key, rs in sorted(by.items(), key=lambda kv: -len(kv[1])):
         t = sum(r["round_s"] + r["gap_s"] for r in rs)
+        # the wait for the target's step: the verify call beyond the target's compute
+        wait = sum(max(0.0, r["verify_s"] - r.get("verify_compute_s", r["verify_s"]))
+                   for r in rs)
         out.append(f"  {key:9s} {100 * t / total:5.1f} % of time, {len(rs):5d} rounds, "
                    f"{sum(r['tokens'] for r in rs) / len(rs):.2f} tokens and "
-                   f"{1000 * t / len(rs):7.1f} ms a round")
+                   f"{1000 * t / len(rs):7.1f} ms a round, {1000 * wait / len(rs):6.1f} ms "
+                   "of it waiting for the step")
     return out
 
 
