@@ -645,7 +645,7 @@ class GoodputPolicy:
         return replace(scores[(None, 0)][1], reason=reason)
 
     def try_down(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
-                      rows: int) -> tuple[str | None, int]:
+                 rows: int) -> tuple[str | None, int]:
         """The batch's plan, after starting or ending a try of the plan one draft down. A
         plan priced by the model carries the running plan's unmodelled costs: the shared
         ``overhead_s`` has the running plan's drafter contention in it, and a fit cannot
