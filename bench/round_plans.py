@@ -1,7 +1,8 @@
 """Which plans each run of a suite ran, from the router's round log: per plan, its share
 of the run's round time (with the gaps), rounds, tokens a round, ms a round and the ms of
 it that the verify call waited beyond the target's compute (for the step); for auto,
-the plans of each BIN-second stretch of the run and the tokens/s committed in it.
+its round time by the reason of its plans (``explore``: the tries) and the plans of each
+BIN-second stretch of the run and the tokens/s committed in it.
 
     scripts/isolated .venv/bin/specserve bench --suite --round-log /tmp/rounds.jsonl ... \\
         --out /tmp/suite
@@ -44,6 +45,17 @@ def _plans(rounds: list[dict]) -> list[str]:
     return out
 
 
+def _reasons(rounds: list[dict]) -> str:
+    """The share of the run's round time by the reason its plan was chosen (``explore``: a
+    try, alone or the batch's; docs/observability.md lists the reasons)."""
+    by: dict[str, float] = defaultdict(float)
+    for r in rounds:
+        by[r.get("reason") or "?"] += r["round_s"] + r["gap_s"]
+    total = sum(by.values()) or 1.0
+    return "  by reason: " + ", ".join(f"{k} {100 * t / total:.1f} %"
+                                       for k, t in sorted(by.items(), key=lambda kv: -kv[1]))
+
+
 def _stretches(rounds: list[dict], seconds: float) -> list[str]:
     t0, bins = rounds[0]["t"], defaultdict(list)
     for r in rounds:
@@ -77,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     if rounds:
                         print("\n".join(_plans(rounds)))
                         if name == "auto":
+                            print(_reasons(rounds))
                             print("\n".join(_stretches(rounds, args.bin)))
     return 0
 
