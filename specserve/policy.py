@@ -104,6 +104,8 @@ TRY_AFTER = 24  # batch rounds on one plan before the batch tries the plan one d
 TRY_FLOOR = 0.85  # only if the model scores it this close to the plan
 TRY_ROUNDS = 8  # batch rounds a try lasts at most (its measurement needs MEASURED_AFTER + 1)
 TRY_AGAIN = 4  # batch rounds after a try the batch took before it tries the next one down
+TRY_HELD = 4  # batch rounds the load held its grid point before a plan never measured
+# near it is tried at once (``try_down``)
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate; a search over a long context costs ~0.2 ms of router time)
 
@@ -320,6 +322,7 @@ class CostModel:
     lookup_match: float = PRIOR_MATCH
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
+    load_since: int = 0  # ``rounds`` when ``load`` last moved to another grid point (``_bucket``)
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
     plan_since: int = 0  # ``rounds`` when the batch's plan last changed or was tried against
     trying: tuple[tuple[str | None, int], tuple[str | None, int]] | None = None  # a try
@@ -393,12 +396,25 @@ class CostModel:
         as soon as their measurement expired (at c=32 it ran 9 plans, a third of its rounds
         changed plan). A plan never measured near this load is tried on the model's word;
         a plan found dear is tried again once the evidence has aged."""
-        near = [m, *(self.measured.get((proposer, k, nb)) for nb in _neighbours(b))]
-        for x in near:
-            if x is not None and x.ratio is not None:
+        for x in self._near(proposer, k, b, m):
+            if x.ratio is not None:
                 return 1.0 + (x.ratio - 1.0) * 0.5 ** ((self.ticks - x.tick)
                                                        / (RATIO_HALF_LIFE * b))
         return 1.0
+
+    def _near(self, proposer: str | None, k: int, b: int,
+              m: _Measured | None = None) -> list[_Measured]:
+        """The plan's measured times at load ``b`` (``m`` if given) and either side of it."""
+        near = [m or self.measured.get((proposer, k, b)),
+                *(self.measured.get((proposer, k, nb)) for nb in _neighbours(b))]
+        return [x for x in near if x is not None]
+
+    def seen_near(self, proposer: str | None, k: int, rows: int) -> bool:
+        """Whether the plan's time was ever measured (``MEASURED_AFTER`` batch rounds) at
+        this load or either side of it: if not, its price is the model's word alone
+        (``_correction``)."""
+        return any(x.ratio is not None or x.n >= MEASURED_AFTER * x.rows
+                   for x in self._near(proposer, k, _bucket(rows)))
 
     def _measure(self, o: RoundOutcome, steady: bool) -> None:
         """A round's time with the gap before it, under its plan and load; not a request's
@@ -502,7 +518,10 @@ class CostModel:
         if v.batch_size > 0:
             self.rows = v.batch_size + v.queue_rows
             # every row of a batch reports it: about LOAD_STEP a batch round whatever its size
-            self.load = _ema(self.load, self.rows, LOAD_STEP / self.rows)
+            load = _ema(self.load, self.rows, LOAD_STEP / self.rows)
+            if _bucket(load) != _bucket(self.load):
+                self.load_since = self.rounds
+            self.load = load
             self.rounds += 1
             self.relax()
 
@@ -660,7 +679,15 @@ class GoodputPolicy:
         within ``TRY_FLOOR`` of the plan, until its time is measured there (at most
         ``TRY_ROUNDS`` batch rounds), and goes back; then the measured times decide as for
         any plan (``in_batch``). If it took the tried plan, the next one down is tried
-        ``TRY_AGAIN`` batch rounds later."""
+        ``TRY_AGAIN`` batch rounds later. A plan one down never measured near this load is
+        tried as soon as the running plan is measured there, once the load has held its
+        grid point ``TRY_HELD`` batch rounds: a cold batch starts on the model's word, with
+        the drafter idle in its profile, so at the plan with the most drafts (at c=32
+        draft:4, then draft:3 for 15 s, rounds of 0.6-1.2 s where draft:2's took
+        0.3-0.5 s), and one step down every ``TRY_AFTER`` batch rounds was a step every 24 s
+        there. Not while the load moves: it passes a new grid point every few batch rounds
+        on the way up and down, and trying at each one put 12-30 % of auto's rounds in
+        tries (against 0-4 %) and measured worse (docs/benchmarks.md)."""
         c = self.cost
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
         if c.trying is not None:
@@ -670,9 +697,14 @@ class GoodputPolicy:
                 c.plan_since = c.rounds - (TRY_AFTER - TRY_AGAIN) * rows
                 return home if home in scores else (None, 0)
             return current
-        if current[1] == 0 or c.rounds - c.plan_since <= TRY_AFTER * rows:
+        if current[1] == 0:
             return current
         down = (current[0], current[1] - 1) if current[1] > 1 else (None, 0)
+        # a plan never measured near a load held lately, below one measured there: at once
+        soon = not c.seen_near(*down, rows) and c.fresh_at(*current, rows) is not None \
+            and c.rounds - c.load_since > TRY_HELD * rows
+        if c.rounds - c.plan_since <= (0 if soon else TRY_AFTER) * rows:
+            return current
         c.plan_since = c.rounds
         if down in scores and c.fresh_at(*down, rows) is None \
                 and scores[down][0] >= TRY_FLOOR * scores[current][0]:

@@ -690,12 +690,18 @@ def test_a_batch_tries_the_plan_one_draft_down_and_its_measured_time_decides():
     measured at its load (at most TRY_ROUNDS batch rounds) and goes back; the measured
     times then decide. A batch on k = 4 (every draft accepted: the model's best) whose
     k = 3 rounds are found dear returns to k = 4 and stays (no try again while the
-    measurement lasts); found cheap, the batch takes k = 3."""
+    measurement lasts); found cheap, the batch takes k = 3. (Here k = 3 was measured at
+    this load long ago; one never measured near it is tried at once, the next test.)"""
+    from collections import deque
+
     import specserve.policy as pol
 
     def run(k3_s: float) -> list[Plan]:
         cost = seeded(0.0002)
         cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("draft", 4)
+        cost.ticks = 10**6  # k = 3 was measured here long ago, at the model's price
+        cost.measured[("draft", 3, 4)] = pol._Measured(deque([0.05] * 8, maxlen=8), 4, 0.05,
+                                                       n=8, ratio=1.0)
         cost.lookup_match = 0.0  # draft model or nobody
         cost.pooled["draft"].alpha = [0.95] * len(cost.pooled["draft"].alpha)
         rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
@@ -717,6 +723,55 @@ def test_a_batch_tries_the_plan_one_draft_down_and_its_measured_time_decides():
         assert tried[0] >= 4 * pol.TRY_AFTER  # not before TRY_AFTER batch rounds
         assert tried[-1] - tried[0] < 4 * pol.TRY_ROUNDS  # one try, measured, then over
         assert all(p.k == after for p in plans[tried[-1] + 5:])
+
+
+def test_a_plan_one_down_never_measured_near_a_held_load_is_tried_at_once():
+    """A cold batch starts on the model's word (at c=32 the plan with the most drafts:
+    the drafter's profile is taken idle), and a step down every TRY_AFTER batch rounds
+    was a step every 24 s there. A plan one draft down never measured near this load is
+    tried as soon as the running plan is measured there and the load has held its grid
+    point TRY_HELD batch rounds (a load on the move reaches new grid points every few
+    rounds, and trying at each one took 12-30 % of the rounds); after a try it took, the
+    next one down (never measured either) is tried at once too, and the measured times
+    decide: here k = 2 is cheapest, and a batch at a held load walks down 4, 3, 2 within a
+    few batch rounds a step and stays there, whatever the acceptance draws (seeds). A
+    batch whose load is still rising (a router's first rows: its load starts at 1) tries
+    nothing until the load has held."""
+    import random
+
+    import specserve.policy as pol
+
+    took = {4: 0.05, 3: 0.04, 2: 0.03, 1: 0.03, 0: 0.05}  # goodput best at k = 2
+
+    def run(seed: int, load: float) -> tuple[list[Plan], list[int]]:
+        cost = seeded(0.0002)
+        cost.rows, cost.load, cost.batch_plan = 4, load, ("draft", 4)
+        cost.lookup_match = 0.0  # draft model or nobody
+        cost.pooled["draft"].alpha = [0.7] * len(cost.pooled["draft"].alpha)
+        rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
+        sts = [state() for _ in rows]
+        rng, plans, grid = random.Random(seed), [], []
+        for _ in range(pol.TRY_AFTER):  # batch rounds
+            grid.append(pol._bucket(cost.load))
+            for policy, st in zip(rows, sts, strict=True):
+                plan = policy.choose(st)
+                accepted = next((j for j in range(plan.k) if rng.random() >= 0.7), plan.k)
+                o = outcome(plan, accepted, batch_size=4, others_drafts=3 * plan.k)
+                policy.observe(st, replace(o, round_s=took[plan.k]))
+            plans.append(plan)
+        return plans, grid
+
+    tries = 0
+    for seed in range(6):
+        ks = [p.k for p in run(seed, 4.0)[0]]
+        assert 3 in ks[:8] and 2 in ks[:12]  # not one step every TRY_AFTER batch rounds
+        assert all(k == 2 for k in ks[12:])
+        plans, grid = run(seed, 1.0)
+        for i, p in enumerate(plans):  # each try's first batch round: the load had held
+            if p.reason == "explore" and plans[i - 1].reason != "explore":
+                tries += 1
+                assert i >= pol.TRY_HELD and len(set(grid[i - pol.TRY_HELD + 1:i + 1])) == 1
+    assert tries >= 3
 
 
 def test_a_proposer_the_batches_stopped_choosing_is_tried_again(monkeypatch):
