@@ -367,7 +367,7 @@ class CostModel:
         b = _bucket(rows)
         m = self.measured.get((proposer, k, b))
         if m is None or not self._fresh(m, b):
-            return predicted * self._correction(proposer, k, m, b)
+            return predicted * self._correction(proposer, k, b)
         m.ratio = m.seconds / max(predicted, 1e-6)
         return m.seconds
 
@@ -386,7 +386,7 @@ class CostModel:
     def _fresh(self, m: _Measured, b: int) -> bool:
         return m.n >= MEASURED_AFTER * b and self.ticks - m.tick <= MEASURED_STALE * b
 
-    def _correction(self, proposer: str | None, k: int, m: _Measured | None, b: int) -> float:
+    def _correction(self, proposer: str | None, k: int, b: int) -> float:
         """What a plan not measured lately at load ``b`` takes over the model's prediction:
         its measured / predicted ratio when last measured there (else at a neighbouring
         load: under load the rows wander between grid points), fading to 1 by half every
@@ -396,17 +396,15 @@ class CostModel:
         as soon as their measurement expired (at c=32 it ran 9 plans, a third of its rounds
         changed plan). A plan never measured near this load is tried on the model's word;
         a plan found dear is tried again once the evidence has aged."""
-        for x in self._near(proposer, k, b, m):
+        for x in self._near(proposer, k, b):
             if x.ratio is not None:
                 return 1.0 + (x.ratio - 1.0) * 0.5 ** ((self.ticks - x.tick)
                                                        / (RATIO_HALF_LIFE * b))
         return 1.0
 
-    def _near(self, proposer: str | None, k: int, b: int,
-              m: _Measured | None = None) -> list[_Measured]:
-        """The plan's measured times at load ``b`` (``m`` if given) and either side of it."""
-        near = [m or self.measured.get((proposer, k, b)),
-                *(self.measured.get((proposer, k, nb)) for nb in _neighbours(b))]
+    def _near(self, proposer: str | None, k: int, b: int) -> list[_Measured]:
+        """The plan's measured times at load ``b`` and either side of it."""
+        near = (self.measured.get((proposer, k, nb)) for nb in (b, *_neighbours(b)))
         return [x for x in near if x is not None]
 
     def seen_near(self, proposer: str | None, k: int, rows: int) -> bool:
@@ -700,10 +698,12 @@ class GoodputPolicy:
         if current[1] == 0:
             return current
         down = (current[0], current[1] - 1) if current[1] > 1 else (None, 0)
-        # a plan never measured near a load held lately, below one measured there: at once
-        soon = not c.seen_near(*down, rows) and c.fresh_at(*current, rows) is not None \
-            and c.rounds - c.load_since > TRY_HELD * rows
-        if c.rounds - c.plan_since <= (0 if soon else TRY_AFTER) * rows:
+        due = c.rounds - c.plan_since > TRY_AFTER * rows or (
+            # a plan never measured near a load held lately, below one measured there: at
+            # once (cheapest tests first: this runs in every row's round)
+            c.rounds > c.plan_since and c.rounds - c.load_since > TRY_HELD * rows
+            and c.fresh_at(*current, rows) is not None and not c.seen_near(*down, rows))
+        if not due:
             return current
         c.plan_since = c.rounds
         if down in scores and c.fresh_at(*down, rows) is None \
