@@ -394,12 +394,19 @@ class CostModel:
         drafter contention and read every plan not run lately better than the one running,
         measured with them: under load the batch went back to plans it had just found dear
         as soon as their measurement expired (at c=32 it ran 9 plans, a third of its rounds
-        changed plan). A plan never measured near this load is tried on the model's word;
-        a plan found dear is tried again once the evidence has aged."""
-        for x in self._near(proposer, k, b):
-            if x.ratio is not None:
-                return 1.0 + (x.ratio - 1.0) * 0.5 ** ((self.ticks - x.tick)
-                                                       / (RATIO_HALF_LIFE * b))
+        changed plan). A plan never measured near this load takes the ratio of its
+        proposer's nearest plan with fewer drafts that was: the model's unmodelled costs
+        (drafter contention, prefill stalls) grow with the drafts, so a plan with more
+        drafts is no cheaper against the model than one with fewer, and on the bare
+        prediction a batch at c=24 moved from a measured plan to draft:4 and draft:3,
+        never measured, at 0.73-0.86 s a round where draft_k2's took 0.46. With none
+        measured, it is tried on the model's word; a plan found dear is tried again once
+        the evidence has aged."""
+        for j in range(k, 0, -1) if k else (0,):
+            for x in self._near(proposer, j, b):
+                if x.ratio is not None:
+                    return 1.0 + (x.ratio - 1.0) * 0.5 ** ((self.ticks - x.tick)
+                                                           / (RATIO_HALF_LIFE * b))
         return 1.0
 
     def _near(self, proposer: str | None, k: int, b: int) -> list[_Measured]:

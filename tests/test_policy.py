@@ -904,6 +904,34 @@ def test_a_plan_found_dear_stays_dear_after_its_measurement_expires():
     assert cost.round_s("draft", 4, 1, 0.1) == pytest.approx(0.1, rel=0.01)  # faded
 
 
+def test_a_plan_never_measured_near_the_load_is_priced_as_its_proposers_next_one_down():
+    """The model's unmodelled costs (drafter contention, prefill stalls) grow with the
+    drafts, so a plan never measured near this load takes the measured / predicted ratio
+    of its proposer's nearest plan with fewer drafts that was: on the bare prediction a
+    batch at c=24 left a measured plan for draft:4 and draft:3, never measured, whose
+    rounds took 0.73-0.86 s where draft_k2's took 0.46. A plan with fewer drafts, or of
+    another proposer, keeps the model's word (the batch's tries measure those)."""
+    import specserve.policy as pol
+
+    cost = CostModel()
+    two = Plan("draft", 2, "goodput")
+    for _ in range(4):
+        cost.observe(outcome(two, 2, verify_s=0.2, propose_s=0.0))
+    assert cost.round_s("draft", 2, 1, 0.1) == pytest.approx(0.2)  # measured: 2x the model
+    assert cost.round_s("draft", 4, 1, 0.15) == pytest.approx(0.3)  # never measured: 2x too
+    assert cost.round_s("draft", 3, 2, 0.15) == pytest.approx(0.3)  # at the next load, too
+    assert cost.round_s("draft", 4, 4, 0.15) == pytest.approx(0.15)  # not further
+    assert cost.round_s("draft", 1, 1, 0.1) == pytest.approx(0.1)  # fewer drafts: the model's
+    assert cost.round_s("ngram", 4, 1, 0.1) == pytest.approx(0.1)  # another proposer: too
+    three = Plan("draft", 3, "goodput")
+    for _ in range(4):  # k = 3 measured at 1.5x: k = 4 takes the nearer plan's ratio
+        cost.observe(outcome(three, 3, verify_s=0.15, propose_s=0.0))
+    assert cost.round_s("draft", 3, 1, 0.1) == pytest.approx(0.15)
+    assert cost.round_s("draft", 4, 1, 0.1) == pytest.approx(0.15)
+    cost.ticks += 10 * pol.RATIO_HALF_LIFE  # and it fades as the plan's own would
+    assert cost.round_s("draft", 4, 1, 0.1) == pytest.approx(0.1, rel=0.01)
+
+
 @pytest.mark.parametrize("rse, switches", [(0.0, True), (0.01, True), (0.08, False)])
 def test_a_batch_changes_plan_only_beyond_the_noise_of_the_measured_times(rse, switches):
     """Two plans measured at the batch's load, one 10 % better: the batch changes to it
