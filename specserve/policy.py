@@ -678,7 +678,8 @@ class GoodputPolicy:
         more arrivals' prefills a round), so the model overprices the plans with fewer
         drafts than the running one and may never measure them (the unit test's batch of
         16 kept k = 3 or 4 for good in 5 of 12 seeds, where k = 1 made 22-51 % more);
-        plans with more drafts it underprices, and tries on its word. So after
+        plans with more drafts it underprices (unless one with fewer was measured near the
+        load: ``CostModel._correction``). So after
         ``TRY_AFTER`` batch rounds on one plan, the batch runs the plan one draft down (the
         same proposer; below k = 1, nobody), if not measured lately at this load and scored
         within ``TRY_FLOOR`` of the plan, until its time is measured there (at most
