@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -402,17 +402,23 @@ class CostModel:
         never measured, at 0.73-0.86 s a round where draft_k2's took 0.46. With none
         measured, it is tried on the model's word; a plan found dear is tried again once
         the evidence has aged."""
-        for j in range(k, 0, -1) if k else (0,):
-            for x in self._near(proposer, j, b):
-                if x.ratio is not None:
-                    return 1.0 + (x.ratio - 1.0) * 0.5 ** ((self.ticks - x.tick)
-                                                           / (RATIO_HALF_LIFE * b))
+        for x in self._near(proposer, k, b, below=True):
+            if x.ratio is not None:
+                return 1.0 + (x.ratio - 1.0) * 0.5 ** ((self.ticks - x.tick)
+                                                       / (RATIO_HALF_LIFE * b))
         return 1.0
 
-    def _near(self, proposer: str | None, k: int, b: int) -> list[_Measured]:
-        """The plan's measured times at load ``b`` and either side of it."""
-        near = (self.measured.get((proposer, k, nb)) for nb in (b, *_neighbours(b)))
-        return [x for x in near if x is not None]
+    def _near(self, proposer: str | None, k: int, b: int,
+              below: bool = False) -> Iterator[_Measured]:
+        """The plan's measured times at load ``b`` and either side of it; ``below``: then
+        those of its proposer's plans with fewer drafts, nearest first (it is read for
+        every plan scored, every round: the grid points are worked out once)."""
+        loads = (b, *_neighbours(b))
+        for j in range(k, 0, -1) if below and k else (k,):
+            for nb in loads:
+                x = self.measured.get((proposer, j, nb))
+                if x is not None:
+                    yield x
 
     def seen_near(self, proposer: str | None, k: int, rows: int) -> bool:
         """Whether the plan's time was ever measured (``MEASURED_AFTER`` batch rounds) at
