@@ -414,11 +414,33 @@ class CostModel:
         those of its proposer's plans with fewer drafts, nearest first (it is read for
         every plan scored, every round: the grid points are worked out once)."""
         loads = (b, *_neighbours(b))
-        for j in range(k, 0, -1) if below and k else (k,):
+        plans = [(proposer, j) for j in range(k, 0, -1)] + [(None, 0)] \
+            if below and k else [(proposer, k)]
+        for plan in plans:
             for nb in loads:
-                x = self.measured.get((proposer, j, nb))
+                x = self.measured.get((*plan, nb))
                 if x is not None:
                     yield x
+
+    def within_reach(self, plan: tuple[str | None, int], current: tuple[str | None, int],
+                     rows: int) -> bool:
+        """Whether a batch running ``current`` may move to ``plan`` at this load: a plan
+        measured near it, one with fewer drafts than ``current``, or one a single draft
+        above a plan of its proposer measured near it (nobody's counts as every proposer's
+        zero) or above ``current`` once that is measured here. A batch climbs one draft at
+        a time, each rung measured before the next; it never jumps on the model's word to
+        a plan with more drafts than anything measured: the model has no drafter
+        contention and no prefill stalls, so it prices the plans with the most drafts
+        best, and a cold batch at c=24-32 began on draft:4 and draft:3 at 0.6-1.1 s a
+        round where draft_k2's took 0.3-0.5 s (below spec-off there: 0.67-0.75x). A batch
+        with nothing measured starts at spec-off, the one plan that cannot be slower than
+        spec-off, and speculation is reached through measured rungs."""
+        p, k = plan
+        if k < current[1] or k == 0 or self.seen_near(p, k, rows):
+            return True
+        below = (p, k - 1) if k > 1 else (None, 0)
+        return self.seen_near(*below, rows) or (
+            k == current[1] + 1 and self.fresh_at(*current, rows) is not None)
 
     def seen_near(self, proposer: str | None, k: int, rows: int) -> bool:
         """Whether the plan's time was ever measured (``MEASURED_AFTER`` batch rounds) at
@@ -660,7 +682,8 @@ class GoodputPolicy:
         cur_noise = c.noise(*current, others + 1)
         better = [plan for plan in plans if scores[plan][0] > scores[current][0] * (
             1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0])
-            + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1)))]
+            + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1)))
+            and c.within_reach(plan, current, others + 1)]
         if better:  # the best of those that clear their margin
             c.batch_plan = current = max(better, key=lambda plan: scores[plan][0])
             if not ended:  # (the one after a try keeps its ``TRY_AGAIN``)

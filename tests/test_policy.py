@@ -153,23 +153,30 @@ def seeded(draft_step_s: float) -> CostModel:
     return cost
 
 
+def plain_batch(draft_step_s: float, rounds: int = 2) -> GoodputPolicy:
+    """A row of a batch of 8 plain rows whose rounds were measured ``rounds`` batch rounds."""
+    policy = GoodputPolicy(seeded(draft_step_s), K, has_drafter=True)
+    policy.cost.load = 8.0
+    for _ in range(8 * rounds):
+        policy.cost.observe(outcome(Plan(None, 0, "off"), 0, batch_size=8))
+    return policy
+
+
 def test_a_batch_that_does_not_draft_yet_is_not_stuck_there():
     """The target's step waits for its cohort, and the drafter serves the rows that draft
     together in one step: speculation pays or costs per batch. Each row scores the batch's
     common choice, so a batch of plain rows starts drafting where that pays for all of
-    them. (Scored alone against the others as they are, one row's gain against the whole
-    drafter step, here 8 x 1.96 tokens in 53 ms against 8 in 36 ms plain, would lose, and
-    no row would ever start.)"""
-    policy = GoodputPolicy(seeded(0.003), K, has_drafter=True)
-    policy.observe(state(), outcome(Plan(None, 0, "off"), 0, batch_size=8))  # all plain
-    plan = policy.choose(state())
-    assert plan.proposer == "draft" and plan.k > 0 and plan.reason == "goodput"
+    them, once its plain rounds are measured, at the first rung (one draft: see the
+    ladder's test). (Scored alone against the others as they are, one row's gain against
+    the whole drafter step, here 8 x 1.96 tokens in 53 ms against 8 in 36 ms plain, would
+    lose, and no row would ever start.)"""
+    plan = plain_batch(0.003).choose(state())
+    assert plan.proposer == "draft" and plan.k == 1 and plan.reason == "goodput"
     # with a drafter step as dear as the target's forward, no: the batch does not draft,
     # and stays plain where the prompt lookup is known not to match
     for match in (0.5, 0.0):  # the prior; a lookup that never matched
-        dear = GoodputPolicy(seeded(0.03), K, has_drafter=True)
+        dear = plain_batch(0.03)
         dear.cost.lookup_match = match
-        dear.observe(state(), outcome(Plan(None, 0, "off"), 0, batch_size=8))
         plan = dear.choose(state())
         assert plan.proposer != "draft" and (plan.k == 0) == (match == 0)
 
@@ -186,6 +193,9 @@ def test_a_batch_shares_prompt_lookup_where_it_pays():
         for policy, st in zip(rows, sts, strict=True):
             policy.observe(st, outcome(Plan("ngram", 4, "goodput"), 4, batch_size=8))
             policy.observe(st, outcome(Plan("draft", 4, "goodput"), 0, batch_size=8))
+    cost.load = 8.0
+    for _ in range(2 * 8):  # and its plain rounds were measured at this load
+        cost.observe(outcome(Plan(None, 0, "off"), 0, batch_size=8))
     plans = [policy.choose(st) for policy, st in zip(rows, sts, strict=True)]
     assert plans[0] == plans[1] and plans[0].proposer == "ngram" and plans[0].k > 0
     assert all(p.blind_lookup for p in rows)
@@ -196,7 +206,7 @@ def test_a_batch_shares_prompt_lookup_where_it_pays():
             plan = policy.choose(st)
             policy.observe(st, outcome(plan, 0, batch_size=8) if plan.proposer != "ngram"
                            else _empty(plan))
-    assert cost.lookup_match < before / 10
+    assert cost.lookup_match < before / 5  # (searched every LOOKUP_EVERY-th round once left)
     assert all(policy.choose(st).proposer != "ngram" for policy, st in zip(rows, sts,
                                                                           strict=True))
 
@@ -236,7 +246,7 @@ def test_a_batch_learns_the_prompt_lookup_it_did_not_choose():
             else:
                 o = outcome(plan, min(1, plan.k), batch_size=8)
             policy.observe(st, replace(o, tokens=tuple(found[:len(o.tokens)])))
-    assert plans[0] == "draft" and plans[-1] == "ngram"
+    assert next(p for p in plans if p) == "draft" and plans[-1] == "ngram"
     assert cost.pooled["ngram"].alpha[0] > 0.5
 
 
@@ -617,9 +627,10 @@ def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch
         return verify_s(k) + 0.0002 * k + 0.004 * k ** 2
 
     def run(measured: bool, seed: int = 0) -> list[Plan]:
-        if not measured:
+        if not measured:  # (nothing measured: no rungs to climb either)
             monkeypatch.setattr(pol, "MEASURED_AFTER", 10**9)
             monkeypatch.setattr(pol, "TRY_AFTER", 10**9)
+            monkeypatch.setattr(pol.CostModel, "within_reach", lambda *a: True)
         cost = seeded(0.0002)
         rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(16)]
         sts = [state() for _ in rows]
