@@ -35,7 +35,9 @@ the others draft arrives early at the target and splits the cohort, one with mor
 than the others lengthens every row (attention pads them to the longest). So among others
 (``in_batch``) every row takes the batch's shared k, decided on what all of them see alike
 (the router's pooled acceptance, the shared costs, the batch's rows) and changed only for
-a clearly better one; a row alone chooses its proposer and k freely, by its own
+a clearly better one within reach: a batch climbs one draft at a time, each rung measured
+at its load before the next, from spec-off where nothing is measured
+(``CostModel.towards``); a row alone chooses its proposer and k freely, by its own
 acceptance. Under load the verify time of the extra tokens outgrows their gain, so the
 batch turns to k = 0 (spec-off); there is no table of steps. (A request among rows that
 never draft, fixed spec-off traffic, is scored as if they followed it: the model's one
@@ -395,7 +397,8 @@ class CostModel:
         measured with them: under load the batch went back to plans it had just found dear
         as soon as their measurement expired (at c=32 it ran 9 plans, a third of its rounds
         changed plan). A plan never measured near this load takes the ratio of its
-        proposer's nearest plan with fewer drafts that was: the model's unmodelled costs
+        proposer's nearest plan with fewer drafts that was (spec-off the last: every
+        proposer's first rung, ``towards``): the model's unmodelled costs
         (drafter contention, prefill stalls) grow with the drafts, so a plan with more
         drafts is no cheaper against the model than one with fewer, and on the bare
         prediction a batch at c=24 moved from a measured plan to draft:4 and draft:3,
@@ -411,7 +414,8 @@ class CostModel:
     def _near(self, proposer: str | None, k: int, b: int,
               below: bool = False) -> Iterator[_Measured]:
         """The plan's measured times at load ``b`` and either side of it; ``below``: then
-        those of its proposer's plans with fewer drafts, nearest first (it is read for
+        those of its proposer's plans with fewer drafts, nearest first, and spec-off's
+        last (it is read for
         every plan scored, every round: the grid points are worked out once)."""
         loads = (b, *_neighbours(b))
         plans = [(proposer, j) for j in range(k, 0, -1)] + [(None, 0)] \
@@ -422,25 +426,33 @@ class CostModel:
                 if x is not None:
                     yield x
 
-    def within_reach(self, plan: tuple[str | None, int], current: tuple[str | None, int],
-                     rows: int) -> bool:
-        """Whether a batch running ``current`` may move to ``plan`` at this load: a plan
-        measured near it, one with fewer drafts than ``current``, or one a single draft
-        above a plan of its proposer measured near it (nobody's counts as every proposer's
-        zero) or above ``current`` once that is measured here. A batch climbs one draft at
-        a time, each rung measured before the next; it never jumps on the model's word to
-        a plan with more drafts than anything measured: the model has no drafter
-        contention and no prefill stalls, so it prices the plans with the most drafts
-        best, and a cold batch at c=24-32 began on draft:4 and draft:3 at 0.6-1.1 s a
-        round where draft_k2's took 0.3-0.5 s (below spec-off there: 0.67-0.75x). A batch
-        with nothing measured starts at spec-off, the one plan that cannot be slower than
-        spec-off, and speculation is reached through measured rungs."""
-        p, k = plan
-        if k < current[1] or k == 0 or self.seen_near(p, k, rows):
-            return True
-        below = (p, k - 1) if k > 1 else (None, 0)
-        return self.seen_near(*below, rows) or (
-            k == current[1] + 1 and self.fresh_at(*current, rows) is not None)
+    def towards(self, best: tuple[str | None, int], current: tuple[str | None, int],
+                rows: int) -> tuple[str | None, int]:
+        """The plan a batch running ``current`` moves to when ``best`` scores better: ``best``
+        if it has fewer drafts than ``current`` or was measured near the load, else at most
+        one draft more than a plan of its proposer measured near it (spec-off counts as
+        every proposer's zero) or than ``current`` once that is measured here: the rung of
+        its proposer towards it, if that has more drafts than ``current``, else
+        ``current`` (until it is measured). So a batch climbs one draft at a time, each rung
+        measured before the next, and a rung found dear prices the plans above it
+        (``_correction``): it never jumps on the model's word to a plan with more drafts
+        than anything measured. The model has no drafter contention and no prefill stalls,
+        so it prices the plans with the most drafts best, and a cold batch at c=24-32 began
+        on draft:4 and draft:3 at 0.6-1.1 s a round where draft_k2's took 0.3-0.5 s
+        (0.67-0.75x spec-off). A batch with nothing measured starts at spec-off, the one
+        plan never slower than spec-off. A rung need not score better than ``current``
+        itself: the first draft's gain may be within the margin where four drafts' is not."""
+        p, k = best
+        if k < current[1] or self.seen_near(p, k, rows):
+            return best
+        top = current[1] + 1 if self.fresh_at(*current, rows) is not None else 0
+        for j in range(k - 1, top - 1, -1):
+            if self.seen_near(*((p, j) if j else (None, 0)), rows):
+                top = j + 1
+                break
+        if k <= top:
+            return best
+        return (p, top) if top > current[1] else current
 
     def seen_near(self, proposer: str | None, k: int, rows: int) -> bool:
         """Whether the plan's time was ever measured (``MEASURED_AFTER`` batch rounds) at
@@ -683,9 +695,10 @@ class GoodputPolicy:
         better = [plan for plan in plans if scores[plan][0] > scores[current][0] * (
             1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0])
             + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1)))
-            and c.within_reach(plan, current, others + 1)]
-        if better:  # the best of those that clear their margin
-            c.batch_plan = current = max(better, key=lambda plan: scores[plan][0])
+]
+        if better:  # the best of those that clear their margin, or the rung towards it
+            best = max(better, key=lambda plan: scores[plan][0])
+            c.batch_plan = current = c.towards(best, current, others + 1)
             if not ended:  # (the one after a try keeps its ``TRY_AGAIN``)
                 c.plan_since = c.rounds
         proposer, k = current[0], min(current[1], k_cap)
@@ -716,13 +729,14 @@ class GoodputPolicy:
         any plan (``in_batch``). If it took the tried plan, the next one down is tried
         ``TRY_AGAIN`` batch rounds later. A plan one down never measured near this load is
         tried as soon as the running plan is measured there, once the load has held its
-        grid point ``TRY_HELD`` batch rounds: a cold batch starts on the model's word, with
-        the drafter idle in its profile, so at the plan with the most drafts (at c=32
-        draft:4, then draft:3 for 15 s, rounds of 0.6-1.2 s where draft:2's took
-        0.3-0.5 s), and one step down every ``TRY_AFTER`` batch rounds was a step every 24 s
-        there. Not while the load moves: it passes a new grid point every few batch rounds
-        on the way up and down, and trying at each one put 12-30 % of auto's rounds in
-        tries (against 0-4 %) and measured worse (docs/benchmarks.md)."""
+        grid point ``TRY_HELD`` batch rounds: a batch carries the plan it climbed to at a
+        lighter load into a heavier one (and before ``CostModel.towards`` a cold batch
+        started at the plan with the most drafts: at c=32 draft:4, then draft:3 for 15 s,
+        rounds of 0.6-1.2 s where draft:2's took 0.3-0.5 s), and one step down every
+        ``TRY_AFTER`` batch rounds was a step every 24 s there. Not while the load moves:
+        it passes a new grid point every few batch rounds on the way up and down, and
+        trying at each one put 12-30 % of auto's rounds in tries (against 0-4 %) and
+        measured worse (docs/benchmarks.md)."""
         c = self.cost
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
         if c.trying is not None:

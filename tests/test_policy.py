@@ -227,6 +227,8 @@ def test_a_batch_learns_the_prompt_lookup_it_did_not_choose():
     tokens: a batch whose pooled lookup estimate started (or fell) low, and so drafts with
     the draft model, finds out that the lookup would do better and turns to it. Before,
     its estimate moved only in rounds that chose it, which such a batch never did."""
+    import random
+
     from specserve.core.ngram import propose_ngram
 
     cost = seeded(0.006)
@@ -236,15 +238,16 @@ def test_a_batch_learns_the_prompt_lookup_it_did_not_choose():
     found = propose_ngram(sts[0].committed, K)
     assert len(found) == K
     cost.observe(outcome(Plan(None, 0, "off"), 0, batch_size=8))  # a batch of 8
-    plans = []
-    for _ in range(12 * 8):  # the drafts get 1 of 4 accepted; the target's tokens are the
-        for policy, st in zip(rows, sts, strict=True):  # lookup's
+    rng, plans = random.Random(0), []
+    for _ in range(12 * 8):  # the draft model's drafts are accepted at 0.25 a position; the
+        for policy, st in zip(rows, sts, strict=True):  # target's tokens are the lookup's
             plan = policy.choose(st)
             plans.append(plan.proposer)
             if plan.proposer == "ngram":
                 o = outcome(plan, plan.k, batch_size=8)
             else:
-                o = outcome(plan, min(1, plan.k), batch_size=8)
+                o = outcome(plan, next((j for j in range(plan.k) if rng.random() >= 0.25),
+                                       plan.k), batch_size=8)
             policy.observe(st, replace(o, tokens=tuple(found[:len(o.tokens)])))
     assert next(p for p in plans if p) == "draft" and plans[-1] == "ngram"
     assert cost.pooled["ngram"].alpha[0] > 0.5
@@ -630,7 +633,7 @@ def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch
         if not measured:  # (nothing measured: no rungs to climb either)
             monkeypatch.setattr(pol, "MEASURED_AFTER", 10**9)
             monkeypatch.setattr(pol, "TRY_AFTER", 10**9)
-            monkeypatch.setattr(pol.CostModel, "within_reach", lambda *a: True)
+            monkeypatch.setattr(pol.CostModel, "towards", lambda self, best, *a: best)
         cost = seeded(0.0002)
         rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(16)]
         sts = [state() for _ in rows]
@@ -655,6 +658,50 @@ def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch
     for late in late_m:  # (before the tries, seed 1 stayed at k = 3 for good)
         assert sum(1 <= p.k <= 2 for p in late) > 0.7 * len(late)
     assert sum(map(goodput, late_m)) > 1.15 * sum(map(goodput, late_model))
+
+
+def test_a_cold_batch_climbs_one_measured_draft_at_a_time(monkeypatch):
+    """The model has no drafter contention and no prefill stalls, so on its word alone a
+    cold batch takes the plan with the most drafts (at c=24-32 draft:4 and draft:3, rounds
+    of 0.6-1.1 s where draft_k2's took 0.3-0.5 s, below spec-off). A batch with nothing
+    measured starts at spec-off, and takes a plan never measured near its load only one
+    draft above one that was (or above the running plan once that is measured): each
+    rung is run and measured before the next. The settles test's batch of 16 (rounds grow
+    with k^2 beyond the model: truth k = 1, k = 2 within 3 %), from cold: it starts plain,
+    climbs a draft at a time, never reaches k = 4, and is at k <= 2 from its 16th batch
+    round on; on the model's word (no ladder) it starts at k = 4."""
+    import random
+
+    import specserve.policy as pol
+
+    def verify_s(k: int) -> float:
+        return 0.02 + 0.002 * 16 + 0.0002 * 16 * k
+
+    def run(seed: int) -> list[int]:
+        cost = seeded(0.0002)
+        cost.lookup_match = 0.0  # draft model or nobody
+        rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(16)]
+        sts = [state() for _ in rows]
+        rng, ks = random.Random(seed), []
+        for _ in range(40):  # batch rounds
+            for policy, st in zip(rows, sts, strict=True):
+                plan = policy.choose(st)
+                accepted = next((j for j in range(plan.k) if rng.random() >= 0.6), plan.k)
+                o = outcome(plan, accepted, batch_size=16, others_drafts=15 * plan.k,
+                            verify_s=verify_s(plan.k), propose_s=0.0002)
+                policy.observe(st, replace(o, round_s=verify_s(plan.k) + 0.004 * plan.k ** 2))
+            ks.append(plan.k)  # the batch's plan: its last row's
+        return ks
+
+    for seed in range(6):
+        ks = run(seed)
+        assert ks[0] == 0 and max(ks) < 4 and all(k <= 2 for k in ks[16:])
+        for i in range(1, len(ks)):
+            if ks[i] > max(ks[:i]):  # a rung never run before: one above a measured one
+                assert ks[i] == ks[i - 1] + 1
+                assert ks[i - pol.MEASURED_AFTER:i] == [ks[i - 1]] * pol.MEASURED_AFTER
+    monkeypatch.setattr(pol.CostModel, "towards", lambda self, best, *a: best)
+    assert run(0)[0] == 4
 
 
 def test_a_plans_measured_time_is_its_steady_rounds_mean_with_their_gaps():
