@@ -51,7 +51,8 @@ failed or is missing), ``budget`` (no room for a draft: max_tokens or the contex
 row drafts once, its best candidate: its acceptance and the drafts' cost are measured only
 where it drafts, and an estimate made on a bad stretch, or a cost model that overprices
 drafts, would otherwise keep it at k = 0 for good; and a batch's try of the plan one draft
-down, which the model overprices: ``try_down``).
+down, which the model overprices: ``try_down``), ``climb`` (a batch on a rung below its
+best plan, which is out of reach until the rung is measured: ``CostModel.towards``).
 
 Greedy requests only: their output is the target's whatever the plan. A sampled request's
 tokens depend on where drafts were proposed, so its plans must not depend on timing or load
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
 
 PROPOSERS = ("draft", "ngram")
 REASONS = ("goodput", "low_acceptance", "saturated", "no_lookup_match", "drafter_unavailable",
-           "budget", "sampled", "fixed", "off", "explore")
+           "budget", "sampled", "fixed", "off", "explore", "climb")
 EXPLORE_AFTER = 16  # rounds alone at k = 0 (low_acceptance) before one round drafts
 PRIOR_ACCEPTANCE = {"draft": 0.6, "ngram": 0.5}  # before any observation, fleet or own
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observations per position
@@ -696,15 +697,22 @@ class GoodputPolicy:
             1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0])
             + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1)))
 ]
+        climb = False  # held below the best plan, which is out of reach (``towards``)
         if better:  # the best of those that clear their margin, or the rung towards it
             best = max(better, key=lambda plan: scores[plan][0])
-            c.batch_plan = current = c.towards(best, current, others + 1)
-            if not ended:  # (the one after a try keeps its ``TRY_AGAIN``)
-                c.plan_since = c.rounds
+            step = c.towards(best, current, others + 1)
+            climb = step != best
+            if step != current:
+                c.batch_plan = current = step
+                if not ended:  # (the one after a try keeps its ``TRY_AGAIN``)
+                    c.plan_since = c.rounds
         proposer, k = current[0], min(current[1], k_cap)
         if k > 0:
             self.blind_lookup = proposer == "ngram"
-            return scores[(proposer, k)][1]
+            plan = scores[(proposer, k)][1]
+            return replace(plan, reason="climb") if climb else plan
+        if climb:
+            return replace(scores[(None, 0)][1], reason="climb")
         alone = max((self.score(p, j, 0, c.pooled, c.lookup_match) for p, j in plans[1:]),
                     key=lambda s: s[0])  # would it pay without the others?
         reason = "saturated" if alone[0] > self.score(None, 0, 0)[0] else "low_acceptance"

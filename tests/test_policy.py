@@ -171,7 +171,7 @@ def test_a_batch_that_does_not_draft_yet_is_not_stuck_there():
     the whole drafter step, here 8 x 1.96 tokens in 53 ms against 8 in 36 ms plain, would
     lose, and no row would ever start.)"""
     plan = plain_batch(0.003).choose(state())
-    assert plan.proposer == "draft" and plan.k == 1 and plan.reason == "goodput"
+    assert plan.proposer == "draft" and plan.k == 1 and plan.reason == "climb"  # (to k > 1)
     # with a drafter step as dear as the target's forward, no: the batch does not draft,
     # and stays plain where the prompt lookup is known not to match
     for match in (0.5, 0.0):  # the prior; a lookup that never matched
@@ -668,8 +668,9 @@ def test_a_cold_batch_climbs_one_measured_draft_at_a_time(monkeypatch):
     draft above one that was (or above the running plan once that is measured): each
     rung is run and measured before the next. The settles test's batch of 16 (rounds grow
     with k^2 beyond the model: truth k = 1, k = 2 within 3 %), from cold: it starts plain,
-    climbs a draft at a time, never reaches k = 4, and is at k <= 2 from its 16th batch
-    round on; on the model's word (no ladder) it starts at k = 4."""
+    climbs a draft at a time (reason ``climb`` while the best plan is out of reach), never
+    reaches k = 4, and is at k <= 2 from its 16th batch round on; on the model's word (no
+    ladder) it starts at k = 4."""
     import random
 
     import specserve.policy as pol
@@ -677,7 +678,7 @@ def test_a_cold_batch_climbs_one_measured_draft_at_a_time(monkeypatch):
     def verify_s(k: int) -> float:
         return 0.02 + 0.002 * 16 + 0.0002 * 16 * k
 
-    def run(seed: int) -> list[int]:
+    def run(seed: int) -> list[Plan]:
         cost = seeded(0.0002)
         cost.lookup_match = 0.0  # draft model or nobody
         rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(16)]
@@ -690,18 +691,20 @@ def test_a_cold_batch_climbs_one_measured_draft_at_a_time(monkeypatch):
                 o = outcome(plan, accepted, batch_size=16, others_drafts=15 * plan.k,
                             verify_s=verify_s(plan.k), propose_s=0.0002)
                 policy.observe(st, replace(o, round_s=verify_s(plan.k) + 0.004 * plan.k ** 2))
-            ks.append(plan.k)  # the batch's plan: its last row's
+            ks.append(plan)  # the batch's plan: its last row's
         return ks
 
     for seed in range(6):
-        ks = run(seed)
+        plans = run(seed)
+        ks = [p.k for p in plans]
         assert ks[0] == 0 and max(ks) < 4 and all(k <= 2 for k in ks[16:])
+        assert plans[0].reason == "climb"  # (not "saturated": it waits for a measurement)
         for i in range(1, len(ks)):
             if ks[i] > max(ks[:i]):  # a rung never run before: one above a measured one
                 assert ks[i] == ks[i - 1] + 1
                 assert ks[i - pol.MEASURED_AFTER:i] == [ks[i - 1]] * pol.MEASURED_AFTER
     monkeypatch.setattr(pol.CostModel, "towards", lambda self, best, *a: best)
-    assert run(0)[0] == 4
+    assert run(0)[0].k == 4
 
 
 def test_a_plans_measured_time_is_its_steady_rounds_mean_with_their_gaps():

@@ -77,7 +77,7 @@ def test_auto_is_the_default_and_exact_under_concurrency(service, greedy_refs):
         assert sum(st["k_histogram"].values()) == st["rounds"]
         assert sum(st["proposer_mix"].values()) == st["rounds"]
         assert set(st["decision_reasons"]) <= {"goodput", "low_acceptance", "explore", "saturated",
-                                               "no_lookup_match", "budget"}
+                                               "no_lookup_match", "budget", "climb"}
     # the router's cost model started from the replicas' start-up profiles (3 x 3 verify
     # grid, the drafter at 1 and 8 rows)
     model = service.router_stats()["auto_cost_model"]

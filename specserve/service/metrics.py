@@ -102,7 +102,7 @@ class RouterMetrics:
             "...; the HTTP API counts the same codes).", ("code",))
         self.decisions = Counter(
             "specserve_spec_decisions",
-            "Rounds by the policy's decision: the reason (goodput, low_acceptance, explore, "
+            "Rounds by the policy's decision: the reason (goodput, low_acceptance, explore, climb, "
             "saturated, no_lookup_match, drafter_unavailable, budget, sampled; fixed / off for "
             "explicit modes) and the proposer chosen (draft, ngram, none).", ("reason", "proposer"))
         self.drafted_ahead = Counter(
