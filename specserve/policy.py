@@ -125,9 +125,14 @@ class Acceptance:
 
     def observe(self, drafted: int, accepted: int) -> None:
         for i in range(min(drafted, accepted + 1, len(self.alpha))):  # positions reached
+            self.observe_at(i, i < accepted)
+
+    def observe_at(self, i: int, accepted: bool) -> None:
+        """One observation of position ``i`` alone (its drafts before it accepted)."""
+        if i < len(self.alpha):
             self.seen[i] += 1
             step = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), self.min_step)
-            self.alpha[i] += step * (float(i < accepted) - self.alpha[i])
+            self.alpha[i] += step * (float(accepted) - self.alpha[i])
 
     def relax(self, prior: float, w: float) -> None:
         """Forget a share ``w`` of what was learned: each position moves that much of the way
@@ -336,6 +341,10 @@ class CostModel:
 
     def observe_pooled(self, proposer: str, drafted: int, accepted: int) -> None:
         self.pooled[proposer].observe(drafted, accepted)
+        self.pooled_at[proposer] = self.rounds
+
+    def observe_pooled_at(self, proposer: str, i: int, accepted: bool) -> None:
+        self.pooled[proposer].observe_at(i, accepted)
         self.pooled_at[proposer] = self.rounds
 
     def relax(self) -> None:
@@ -799,6 +808,10 @@ class GoodputPolicy:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)
             if self.batched or p == "ngram":  # see ``CostModel.pooled``
                 self.cost.observe_pooled(p, o.drafted, o.decision.num_accepted)
+            if p == "ngram" and self.shadow and (past := lookup_past_k(
+                    self.shadow, o.proposal.draft_tokens, o.tokens)) is not None:
+                self.acceptance["ngram"].observe_at(o.drafted, past)
+                self.cost.observe_pooled_at("ngram", o.drafted, past)
             tried, acc = self.counts[p]
             for i in range(min(o.drafted, o.decision.num_accepted + 1, self.k_max)):
                 tried[i] += 1
@@ -835,6 +848,23 @@ def shadow_acceptance(match: Sequence[int], committed: Sequence[int]) -> tuple[i
     if same < n or len(match) <= len(committed):
         return len(match), same
     return n, n
+
+
+def lookup_past_k(match: Sequence[int], drafts: Sequence[int],
+                  committed: Sequence[int]) -> bool | None:
+    """Whether the prompt lookup's next token past a round's drafts would have been
+    accepted, where that is known for free: the round proposed the lookup's first
+    ``len(drafts)`` tokens of ``match`` (the same search: its continuation does not depend
+    on k), all of them were accepted, and the match goes on; the round's extra token
+    (greedy: the target's own) is then the answer. A batch on lookup k < K_max sees its
+    acceptance at positions past k nowhere else (rounds commit at most k + 1 tokens), so an
+    unlucky estimate there stayed for good: a sweep's batch at c=32 had position 4's at 0.40
+    where the other runs' read 0.72-0.81, and seldom ran k = 4 after. None: not known."""
+    d = len(drafts)
+    if len(match) <= d or len(committed) != d + 1 or list(match[:d]) != list(drafts) \
+            or list(committed[:d]) != list(drafts):
+        return None
+    return match[d] == committed[d]
 
 
 def policy_for(state: RequestState, cost: CostModel, has_drafter: bool,

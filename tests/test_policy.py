@@ -260,6 +260,36 @@ def _empty(plan: Plan) -> RoundOutcome:
     return replace(o, plan=plan, propose_s=0.002, round_s=o.round_s + 0.002)
 
 
+def test_a_lookup_round_learns_the_position_past_its_drafts():
+    """A batch on lookup k < K_max commits at most k + 1 tokens a round, so its lookup's
+    acceptance at positions past k was learned nowhere, and an unlucky estimate there
+    (a sweep's batch at c=32 had position 4's at 0.40, other runs 0.72-0.81) stayed and
+    kept the batch off k = 4. Where its lookup was searched in full (a row alone every
+    round, a row in a batch every LOOKUP_EVERY-th), a round whose drafts were all accepted
+    tells whether the match's next token would have been: the round's extra token is the
+    target's own. Only then: a rejection or a match that ends there says nothing."""
+    from specserve.core.ngram import propose_ngram
+    from specserve.policy import lookup_past_k
+
+    assert lookup_past_k([1, 2, 3], [1, 2], [1, 2, 3]) is True
+    assert lookup_past_k([1, 2, 3], [1, 2], [1, 2, 9]) is False
+    assert lookup_past_k([1, 2, 3], [1, 2], [1, 9]) is None  # a draft rejected
+    assert lookup_past_k([1, 2], [1, 2], [1, 2, 3]) is None  # the match ends at k
+    assert lookup_past_k([1, 2, 3], [1, 5], [1, 5, 3]) is None  # not this search's drafts
+    cost = seeded(0.006)
+    cost.pooled["ngram"].alpha = [0.9, 0.9, 0.2, 0.2]  # an unlucky start past k = 2
+    policy, st = GoodputPolicy(cost, K, has_drafter=True), state(REPEATS * 3)
+    found = propose_ngram(st.committed, K)
+    plan = Plan("ngram", 2, "goodput")
+    for _ in range(12):
+        policy.shadow = found  # searched in full this round
+        o = outcome(plan, 2, batch_size=8)
+        policy.observe(st, replace(o, proposal=replace(o.proposal, draft_tokens=found[:2]),
+                                   tokens=tuple(found[:3])))
+    assert cost.pooled["ngram"].alpha[2] > 0.5 and policy.acceptance["ngram"].alpha[2] > 0.8
+    assert cost.pooled["ngram"].alpha[3] == 0.2  # never reached
+
+
 def test_rows_of_a_batch_keep_in_step():
     """A batch's k is decided on what all its rows see alike (the router's pooled
     acceptance, the shared costs), so rows whose own acceptance differs do not split: a
