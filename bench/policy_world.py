@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from specserve.api import GenerationRequest
 from specserve.contract import CallInfo, ProposeOutcome, VerifyOutcome
-from specserve.core.commit import decide_commit
+from specserve.core.commit import CommitDecision
 from specserve.engine.generator import new_state
 from specserve.policy import CostModel, GoodputPolicy
 from specserve.rounds import Plan, RoundOutcome
@@ -52,7 +52,8 @@ def outcome(plan: Plan, accepted: int) -> RoundOutcome:
     verdict = VerifyOutcome(accepted, 1, accepted == plan.k, batch_size=ROWS,
                             call=CallInfo(compute_s=verify_s(plan.k)),
                             batch_tokens=ROWS * (1 + plan.k))
-    decision = decide_commit(10, drafts, accepted, 1)
+    decision = CommitDecision(10, plan.k, accepted, (*drafts[:accepted], 1),
+                              accepted == plan.k, plan.k - accepted)
     return RoundOutcome(1, plan.k, proposal, verdict, decision, decision.tokens, None,
                         0.0002 * plan.k, verify_s(plan.k), true_s(plan.k), [], plan=plan)
 
