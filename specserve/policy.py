@@ -424,9 +424,9 @@ class CostModel:
     def _near(self, proposer: str | None, k: int, b: int,
               below: bool = False) -> Iterator[_Measured]:
         """The plan's measured times at load ``b`` and either side of it; ``below``: then
-        those of its proposer's plans with fewer drafts, nearest first, and spec-off's
-        last (it is read for
-        every plan scored, every round: the grid points are worked out once)."""
+        those of its proposer's plans with fewer drafts, nearest first, and spec-off's last
+        (it is read for every plan scored, every round: the grid points are worked out
+        once)."""
         loads = (b, *_neighbours(b))
         plans = [(proposer, j) for j in range(k, 0, -1)] + [(None, 0)] \
             if below and k else [(proposer, k)]
@@ -704,8 +704,7 @@ class GoodputPolicy:
         cur_noise = c.noise(*current, others + 1)
         better = [plan for plan in plans if scores[plan][0] > scores[current][0] * (
             1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0])
-            + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1)))
-]
+            + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1)))]
         climb = False  # held below the best plan, which is out of reach (``towards``)
         if better:  # the best of those that clear their margin, or the rung towards it
             best = max(better, key=lambda plan: scores[plan][0])
