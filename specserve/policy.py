@@ -428,11 +428,10 @@ class CostModel:
         (it is read for every plan scored, every round: the grid points are worked out
         once)."""
         loads = (b, *_neighbours(b))
-        plans = [(proposer, j) for j in range(k, 0, -1)] + [(None, 0)] \
-            if below and k else [(proposer, k)]
-        for plan in plans:
+        for j in range(k, -1, -1) if below and k else (k,):
+            p = proposer if j else None  # below k = 1: spec-off
             for nb in loads:
-                x = self.measured.get((*plan, nb))
+                x = self.measured.get((p, j, nb))
                 if x is not None:
                     yield x
 
