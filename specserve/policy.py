@@ -7,7 +7,7 @@ the draft model with k up to K_max) is scored by the goodput of the target batch
 as if every row of that batch made the same choice::
 
     E(k)      = 1 + sum_{j=1..k} prod_{i<j} alpha_i          (expected committed tokens)
-    time(k)   = overhead + propose(R, k) + verify(R, R (1 + k)) + R E(k) stall
+    time(k)   = overhead + propose(R, k) + verify(R, R (1 + k))
     goodput   = R E(k) / time(k)                             (R: rows, this one included)
 
 alpha_i: this request's acceptance estimate at draft position i for that proposer (an
@@ -18,17 +18,13 @@ propose(R, k): the proposer's call, for the draft model k drafter steps over the
 drafting rows (c + d_row rows per step, likewise fitted and seeded), for prompt lookup its
 call alone; R: the rows of the verify replies' batches plus the target's queue, smoothed
 over the batch's last rounds (``CostModel.load``). A plan that has run lately at this load
-(on a grid: exact up to 4 rows, 25 % apart above) has its own measured round time, which
-replaces time(k)'s first three terms: the linear model misprices some plans (a draft's
-verify cost grows with the context; where the drafter and the target share CPUs, drafting
-slows the target's forward, which no term of the model has), so it proposes and the
-measurements decide
-(``CostModel.round_s``). Neither the fit nor a plan's measured time learns from a target
-step that had another request's prefill in it (its time is no function of rows and drafts:
-``decoding``); those stalls are charged by the tokens a round commits, ``stall``: the
-seconds of stall per token the batch commits, averaged over every plan's rounds (a plan
-that commits more tokens a round has more arrivals' prefills in its rounds;
-``CostModel.stall_s``).
+(on a grid: exact up to 4 rows, 25 % apart above) has its own measured round time, and that
+replaces time(k): the linear model misprices some plans (a draft's verify cost grows with
+the context; where the drafter and the target share CPUs, drafting slows the target's
+forward, which no term of the model has), so it proposes and the measurements decide
+(``CostModel.round_s``). The fit does not learn from a target step that had a prefill in it
+(its time is no function of rows and drafts: ``decoding``); a plan's measured time does
+(per round, a plan that commits more tokens has more arrivals' prefills in its steps).
 
 Why the whole batch: the target's step waits for every row of its cohort, and the drafter
 serves the rows that draft together in one step, so drafting pays or costs per batch. A
@@ -107,7 +103,6 @@ PREFILL_FED = 8  # a target step that fed more positions than its rows' drafts a
 # tokens by more than this had a prefill or a cache rebuild in it: not a decoding round
 LOAD_STEP = 0.2  # a batch's plan is scored at its rows smoothed over ~1 / LOAD_STEP rounds
 STALL = 3.0  # an online time above this many times the fit's prediction counts as this much
-STALL_ROUNDS = 64  # batch rounds over which the stall a committed token brings is averaged
 TRY_AFTER = 24  # batch rounds on one plan before the batch tries the plan one draft down
 TRY_FLOOR = 0.85  # only if the model scores it this close to the plan
 TRY_ROUNDS = 8  # batch rounds a try lasts at most (its measurement needs MEASURED_AFTER + 1)
@@ -226,12 +221,14 @@ class _Fit:
 
 @dataclass
 class _Measured:
-    """A plan's decoding round times at one load: the mean of its last rounds whose target
-    step decoded (no other request's prefill in it), each with the gap before it (what a
-    row's tokens/s is made of), kept as each round is added (it is read for every plan
-    scored, every round), how many were measured, and the tick of the last. A mean, not a
-    median: a long decoding round (a wait for the KV budget) counts for what it took. The
-    prefill stalls are charged apart, by the tokens a plan commits (``CostModel.stall_s``)."""
+    """A plan's round times at one load: the mean of its last rounds, each with the gap
+    before it (what a row's tokens/s is made of), kept as each round is added (it is read
+    for every plan scored, every round), how many were measured, and the tick of the last.
+    A mean, not a median: the long rounds (another request's prefill in the step, a wait
+    for the KV budget) are rare but much of the time under load, and their share per round
+    depends on the plan (a plan that commits more tokens a round finishes, and admits,
+    more requests a round). A median left them out and read speculation up to 30 % too
+    good at concurrency 2-16 (docs/benchmarks.md, the round log)."""
 
     times: deque[float]
     rows: int = 1  # a batch round's rows at this load: their times move together
@@ -341,10 +338,6 @@ class CostModel:
     # (proposer, k, load bucket) -> what a plan's last rounds took there; see ``round_s``
     measured: dict[tuple[str | None, int, int], _Measured] = field(default_factory=dict)
     ticks: int = 0  # rounds measured
-    # per speculating (k > 0) or not: moving sums of the stall rounds' time beyond their
-    # plan's decoding rounds over the batch's rows, and of the tokens committed (``stall_s``)
-    stalls: dict[bool, list[float]] = field(
-        default_factory=lambda: {True: [0.0, 0.0], False: [0.0, 0.0]})
 
     def observe_pooled(self, proposer: str, drafted: int, accepted: int) -> None:
         self.pooled[proposer].observe(drafted, accepted)
@@ -484,54 +477,22 @@ class CostModel:
         nor the first round after the row's plan changed (the batch changes together, and
         its first round waits for the rows that catch up): those are not the plan's cost,
         and a plan priced too dear is not tried again until it expires. A round whose
-        target step had another request's prefill in it is a stall (``_stall``), not one of
-        the plan's decoding rounds."""
+        target step had another request's prefill in it is: arrivals come with finished
+        requests, so a plan that commits more tokens a round has more of them a round
+        (left out, they read speculation up to 30 % too good at concurrency 2-16)."""
         v = o.verdict
         if v.batch_size <= 0 or o.round_s <= 0 or not steady \
                 or not measurable(o.round_no, o.caught_up):
             return
+        self.ticks += 1
         b = _bucket(self.load)
         key = (*_plan_key(o.plan), b)
         m = self.measured.get(key)
-        seconds = o.round_s + o.gap_s
-        if not decoding(v.batch_fed, v.batch_tokens):
-            if m is not None and m.n:  # beyond what the plan's decoding rounds take
-                self._stall(o, seconds - m.seconds)
-            return
-        self._stall(o, 0.0)
-        self.ticks += 1
         if m is None or self.ticks - m.tick > MEASURED_STALE * b:
             ratio = m.ratio if m is not None else None  # its evidence until measured again
             m = self.measured[key] = _Measured(deque(maxlen=max(8, MEASURED_WINDOW * b)),
                                                rows=b, ratio=ratio)
-        m.add(seconds, self.ticks)
-
-    def _stall(self, o: RoundOutcome, extra_s: float) -> None:
-        """A measured round's time beyond its plan's decoding rounds (0: it decoded), over
-        the batch's rows, and its committed tokens, into moving sums (``stall_s``)."""
-        rows = max(1, o.verdict.batch_size + o.verdict.queue_rows)
-        w = 1.0 / (STALL_ROUNDS * rows)
-        pool = self.stalls[o.plan.k > 0]
-        pool[0] += w * (extra_s / rows - pool[0])
-        pool[1] += w * (len(o.tokens) - pool[1])
-
-    def stall_s(self, speculating: bool) -> float:
-        """What a token a batch commits costs its rows' rounds in other requests' prefills
-        (seconds a round per token the batch commits in it). Under load arrivals' prefills
-        join target steps and stall every row decoding in them; arrivals come with finished
-        requests, so a plan that commits more tokens a round has more of them a round, a
-        round's stall growing with its batch's tokens. The stalls are rare and long (at
-        c=8-16, a fifth to half of the round time in a fifth of the rounds), so in a plan's
-        window of a few dozen rounds they were most of its measured times' spread, and the
-        batch chose among plans within a few percent of each other by which one an arrival
-        had hit lately (lookup k = 4's decoding rounds made 15 % more tokens a second than
-        k = 3's, and the batch ran k = 1-3 most of the time). Averaged over every plan's
-        rounds instead (those that speculate; spec-off's apart, its stalls being shorter:
-        no drafts in the stalled step), and charged by the tokens each plan commits."""
-        pool = self.stalls[speculating]
-        if pool[1] <= 0.0:
-            pool = self.stalls[not speculating]
-        return max(0.0, pool[0] / pool[1]) if pool[1] > 0.0 else 0.0
+        m.add(o.round_s + o.gap_s, self.ticks)
 
     def verify_s(self, rows: float, tokens: float) -> float:
         return self.verify.predict((rows, tokens - rows), self.default_verify_s)
@@ -552,8 +513,6 @@ class CostModel:
                                       for p, acc in self.pooled.items()},
                 "lookup_match": round(self.lookup_match, 3), "rows": self.rows,
                 "load": round(self.load, 2),
-                "stall_ms_a_token": {"speculating": round(1000 * self.stall_s(True), 3),
-                                     "off": round(1000 * self.stall_s(False), 3)},
                 "batch_plan": list(self.batch_plan),
                 "measured_round_ms": {f"{p or 'none'}:{k}@{rows}": round(1000 * m.seconds, 3)
                                       for (p, k, rows), m in self.measured.items()
@@ -658,7 +617,7 @@ class GoodputPolicy:
         row takes this plan: its expected committed tokens (by ``acceptance``, default
         this request's; a prompt lookup that finds a match with probability ``match``) and
         the round's time (one drafter step for the rows drafting together, one target
-        forward, and the other requests' prefills its tokens bring: ``stall_s``)."""
+        forward)."""
         c, rows = self.cost, others + 1
         if proposer is None:
             e, drafts = 1.0, 0.0
@@ -667,8 +626,7 @@ class GoodputPolicy:
             e = 1.0 + m * ((acceptance or self.acceptance)[proposer].expected(k) - 1.0)
             drafts = m * k
         t = c.round_s(proposer if k else None, k, rows, c.overhead_s + c.propose_s(
-            proposer, k, rows) + c.verify_s(rows, rows * (1 + drafts))) \
-            + rows * e * c.stall_s(proposer is not None and k > 0)
+            proposer, k, rows) + c.verify_s(rows, rows * (1 + drafts)))
         return rows * e / t, Plan(proposer, k, "goodput", e, t)
 
     def best(self, cands: list[tuple[str, int]], others: int) -> Plan:
