@@ -335,6 +335,9 @@ class CostModel:
     plan_since: int = 0  # ``rounds`` when the batch's plan last changed or was tried against
     trying: tuple[tuple[str | None, int], tuple[str | None, int]] | None = None  # a try
     # of the plan one draft down, and the plan to return to (``GoodputPolicy.try_down``)
+    # the batch's last decision per (has a drafter, K_max): ``rounds`` then, the rows it
+    # was for, the plan (``GoodputPolicy.in_batch``)
+    decided: dict[tuple[bool, int], tuple[int, int, Plan]] = field(default_factory=dict)
     # (proposer, k, load bucket) -> what a plan's last rounds took there; see ``round_s``
     measured: dict[tuple[str | None, int, int], _Measured] = field(default_factory=dict)
     ticks: int = 0  # rounds measured
@@ -687,19 +690,36 @@ class GoodputPolicy:
         plans' measured times (a mean of a few batch rounds, some of them stalled by a
         prefill: under load the errors were larger than the plans' differences, and the
         batch hopped among lookup k's every few seconds, a third of its rows' rounds
-        changing plan); a plan priced by the model has none, so it is tried on its word."""
+        changing plan); a plan priced by the model has none, so it is tried on its word.
+
+        Decided once a batch round, by the first of its rows to ask, and taken by the
+        others (capped by their budgets): every row would score the same plans on the same
+        state, and the router runs its rows' policies on one event loop, where each row's
+        scoring (~80 us for nine plans) delayed every other row's call to the proposer,
+        whose step waits for its cohort: 1-2 ms a batch round at c=8-24 (docs/benchmarks.md)."""
         c = self.cost
-        others = max(1, round(c.load)) - 1  # the rows it shares, not the last step's cohort
+        key = (self.has_drafter, self.k_max)
+        at, rows, plan = c.decided.get(key, (0, 0, None))
+        if plan is None or c.rounds - at >= rows:
+            rows = max(1, round(c.load))  # the rows it shares, not the last step's cohort
+            plan = self._decide(rows - 1)
+            c.decided[key] = (c.rounds, rows, plan)
+        if plan.k > k_cap:
+            plan = replace(self.score(plan.proposer, k_cap, rows - 1, c.pooled,
+                                      c.lookup_match)[1], reason=plan.reason)
+        self.blind_lookup = plan.proposer == "ngram"
+        return plan
+
+    def _decide(self, others: int) -> Plan:
+        """The batch's plan for a batch of ``others`` and one row (``in_batch``)."""
+        c = self.cost
         plans = [(None, 0), *((p, k) for p in ("draft", "ngram")[not self.has_drafter:]
                               for k in range(1, self.k_max + 1))]
         scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}
         ended = c.trying is not None  # a try ends in this call, unless it goes on
         current = self.try_down(scores, others + 1)
-        if c.trying is not None:  # the batch's try (``explore``), within this row's budget
-            p, k = c.trying[0]
-            plan = scores[(p, min(k, k_cap)) if p else (None, 0)][1]
-            self.blind_lookup = plan.proposer == "ngram"
-            return replace(plan, reason="explore")
+        if c.trying is not None:  # the batch's try (``explore``)
+            return replace(scores.get(c.trying[0], scores[current])[1], reason="explore")
         cur_noise = c.noise(*current, others + 1)
         better = [plan for plan in plans if scores[plan][0] > scores[current][0] * (
             1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0])
@@ -713,10 +733,8 @@ class GoodputPolicy:
                 c.batch_plan = current = step
                 if not ended:  # (the one after a try keeps its ``TRY_AGAIN``)
                     c.plan_since = c.rounds
-        proposer, k = current[0], min(current[1], k_cap)
-        if k > 0:
-            self.blind_lookup = proposer == "ngram"
-            plan = scores[(proposer, k)][1]
+        if current[1] > 0:
+            plan = scores[current][1]
             return replace(plan, reason="climb") if climb else plan
         if climb:
             return replace(scores[(None, 0)][1], reason="climb")

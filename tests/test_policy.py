@@ -699,8 +699,8 @@ def test_a_cold_batch_climbs_one_measured_draft_at_a_time(monkeypatch):
     rung is run and measured before the next. The settles test's batch of 16 (rounds grow
     with k^2 beyond the model: truth k = 1, k = 2 within 3 %), from cold: it starts plain,
     climbs a draft at a time (reason ``climb`` while the best plan is out of reach), never
-    reaches k = 4, and is at k <= 2 from its 16th batch round on; on the model's word (no
-    ladder) it starts at k = 4."""
+    reaches k = 4, and is at k <= 2 from its 16th batch round on but for a rung's
+    measurement; on the model's word (no ladder) it starts at k = 4."""
     import random
 
     import specserve.policy as pol
@@ -727,12 +727,14 @@ def test_a_cold_batch_climbs_one_measured_draft_at_a_time(monkeypatch):
     for seed in range(6):
         plans = run(seed)
         ks = [p.k for p in plans]
-        assert ks[0] == 0 and max(ks) < 4 and all(k <= 2 for k in ks[16:])
+        # past its 16th batch round at k <= 2, but for one rung's measurement (a rung not
+        # measured on the way up is climbed to later, and left once measured)
+        assert ks[0] == 0 and max(ks) < 4 and sum(k > 2 for k in ks[16:]) <= 4
         assert plans[0].reason == "climb"  # (not "saturated": it waits for a measurement)
         for i in range(1, len(ks)):
             if ks[i] > max(ks[:i]):  # a rung never run before: one above a measured one
-                assert ks[i] == ks[i - 1] + 1
-                assert ks[i - pol.MEASURED_AFTER:i] == [ks[i - 1]] * pol.MEASURED_AFTER
+                assert ks[i] == ks[i - 1] + 1  # (run lately: measured within the window)
+                assert ks[:i].count(ks[i - 1]) >= pol.MEASURED_AFTER
     monkeypatch.setattr(pol.CostModel, "towards", lambda self, best, *a: best)
     assert run(0)[0].k == 4
 
