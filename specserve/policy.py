@@ -33,10 +33,10 @@ row's gain with the whole drafter step and never start drafting in a batch that 
 draft yet. And the rows of a batch must keep in step: one that skips the proposer while
 the others draft arrives early at the target and splits the cohort, one with more drafts
 than the others lengthens every row (attention pads them to the longest). So among others
-(``in_batch``) every row takes the batch's shared k, decided on what all of them see alike
-(the router's pooled acceptance, the shared costs, the batch's rows) and changed only for
-a clearly better one within reach: a batch climbs one draft at a time, each rung measured
-at its load before the next, from spec-off where nothing is measured
+(``in_batch``) every row takes the batch's shared k, decided once a batch round on what all
+of them see alike (the router's pooled acceptance, the shared costs, the batch's rows) and
+changed only for a clearly better one within reach: a batch climbs one draft at a time,
+each rung measured at its load before the next, from spec-off where nothing is measured
 (``CostModel.towards``); a row alone chooses its proposer and k freely, by its own
 acceptance. Under load the verify time of the extra tokens outgrows their gain, so the
 batch turns to k = 0 (spec-off); there is no table of steps. (A request among rows that
