@@ -89,6 +89,7 @@ HYSTERESIS = 0.03  # a batch's shared plan changes only for a better score by th
 CATCH_UP = 0.10  # and to the draft model from another plan by this much more (see in_batch)
 NOISE_Z = 1.0  # and by this many standard errors of the two plans' measured times more
 PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that find a match
+MATCH_STEP = 0.05  # the match rate's moving estimate never weighs a search less than this
 MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time replaces
 # the model's prediction (``CostModel.round_s``)
 MEASURED_STALE = 32  # a plan's measured time older than this many batch rounds expires
@@ -328,6 +329,7 @@ class CostModel:
     # the share of prompt lookups that found a match, over the rounds that searched without
     # knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th and its lookup plans)
     lookup_match: float = PRIOR_MATCH
+    lookup_seen: int = 0  # searches observed (``saw_lookup``)
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     load_since: int = 0  # ``rounds`` when ``load`` last moved to another grid point (``_bucket``)
@@ -365,7 +367,15 @@ class CostModel:
                 acc.relax(PRIOR_ACCEPTANCE[p], w)
 
     def saw_lookup(self, matched: bool) -> None:
-        self.lookup_match = _ema(self.lookup_match, float(matched), 0.05)
+        """One prompt lookup searched without knowing the answer: the match rate, a moving
+        estimate from ``PRIOR_MATCH`` counted as ``PRIOR_WEIGHT`` searches, then following
+        (step >= ``MATCH_STEP``), as acceptance is. A fixed step of 0.05 from the prior took
+        ~20 searches to cover two thirds of the way: a cold router at c=4 (match rate 0.77
+        there) still read 0.70-0.77 at the end of a 6 s level, and priced the lookup below
+        the draft model for its first 3 s (docs/benchmarks.md)."""
+        self.lookup_seen += 1
+        step = max(1.0 / (self.lookup_seen + PRIOR_WEIGHT), MATCH_STEP)
+        self.lookup_match += step * (float(matched) - self.lookup_match)
 
     def round_s(self, proposer: str | None, k: int, rows: int, predicted: float) -> float:
         """A round's time for this plan at this load: what its last rounds took, once it

@@ -211,6 +211,23 @@ def test_a_batch_shares_prompt_lookup_where_it_pays():
                                                                           strict=True))
 
 
+def test_a_cold_routers_match_rate_follows_its_first_searches():
+    """The match rate starts at its prior counted as a few searches, as acceptance does: a
+    cold router whose searches all match reads most of the way there after 8 of them (a
+    fixed step of 0.05 read 0.67), and it still follows the text once it has seen many."""
+    from specserve.policy import MATCH_STEP, PRIOR_MATCH
+
+    cost = CostModel()
+    assert cost.lookup_match == PRIOR_MATCH
+    for _ in range(8):
+        cost.saw_lookup(True)
+    assert cost.lookup_match > 0.8
+    for _ in range(400):
+        cost.saw_lookup(True)
+    cost.saw_lookup(False)  # one miss after hundreds moves it by the floor's step
+    assert cost.lookup_match == pytest.approx(1.0 - MATCH_STEP, abs=1e-3)
+
+
 def test_shadow_acceptance_is_what_the_target_would_have_accepted():
     from specserve.policy import shadow_acceptance
 
