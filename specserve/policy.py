@@ -112,6 +112,7 @@ TRY_HELD = 4  # batch rounds the load held its grid point before a plan never me
 # near it is tried at once (``try_down``)
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate; a search over a long context costs ~0.2 ms of router time)
+LOOKUP_LEARN = 64  # every round until the router has seen this many searches (cold)
 
 
 class Acceptance:
@@ -663,7 +664,7 @@ class GoodputPolicy:
             return self.reproducible(state, k_cap)
         if self.cost.rows > 1:
             self.batch_rounds += 1
-            if self.batch_rounds % LOOKUP_EVERY == 0:
+            if self.batch_rounds % LOOKUP_EVERY == 0 or self.cost.lookup_seen < LOOKUP_LEARN:
                 self.shadow = propose_ngram(state.committed, k_cap, *self.ngram_n)
                 self.cost.saw_lookup(bool(self.shadow))
             self.batched = True
