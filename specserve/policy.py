@@ -89,7 +89,6 @@ HYSTERESIS = 0.03  # a batch's shared plan changes only for a better score by th
 CATCH_UP = 0.10  # and to the draft model from another plan by this much more (see in_batch)
 NOISE_Z = 1.0  # and by this many standard errors of the two plans' measured times more
 PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that find a match
-MATCH_STEP = 0.05  # the match rate's moving estimate never weighs a search less than this
 MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time replaces
 # the model's prediction (``CostModel.round_s``)
 MEASURED_STALE = 32  # a plan's measured time older than this many batch rounds expires
@@ -112,7 +111,6 @@ TRY_HELD = 4  # batch rounds the load held its grid point before a plan never me
 # near it is tried at once (``try_down``)
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate; a search over a long context costs ~0.2 ms of router time)
-LOOKUP_LEARN = 64  # every round until the router has seen this many searches (cold)
 
 
 class Acceptance:
@@ -330,7 +328,6 @@ class CostModel:
     # the share of prompt lookups that found a match, over the rounds that searched without
     # knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th and its lookup plans)
     lookup_match: float = PRIOR_MATCH
-    lookup_seen: int = 0  # searches observed (``saw_lookup``)
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     load_since: int = 0  # ``rounds`` when ``load`` last moved to another grid point (``_bucket``)
@@ -368,15 +365,7 @@ class CostModel:
                 acc.relax(PRIOR_ACCEPTANCE[p], w)
 
     def saw_lookup(self, matched: bool) -> None:
-        """One prompt lookup searched without knowing the answer: the match rate, a moving
-        estimate from ``PRIOR_MATCH`` counted as ``PRIOR_WEIGHT`` searches, then following
-        (step >= ``MATCH_STEP``), as acceptance is. A fixed step of 0.05 from the prior took
-        ~20 searches to cover two thirds of the way: a cold router at c=4 (match rate 0.77
-        there) still read 0.70-0.77 at the end of a 6 s level, and priced the lookup below
-        the draft model for its first 3 s (docs/benchmarks.md)."""
-        self.lookup_seen += 1
-        step = max(1.0 / (self.lookup_seen + PRIOR_WEIGHT), MATCH_STEP)
-        self.lookup_match += step * (float(matched) - self.lookup_match)
+        self.lookup_match = _ema(self.lookup_match, float(matched), 0.05)
 
     def round_s(self, proposer: str | None, k: int, rows: int, predicted: float) -> float:
         """A round's time for this plan at this load: what its last rounds took, once it
@@ -664,7 +653,7 @@ class GoodputPolicy:
             return self.reproducible(state, k_cap)
         if self.cost.rows > 1:
             self.batch_rounds += 1
-            if self.batch_rounds % LOOKUP_EVERY == 0 or self.cost.lookup_seen < LOOKUP_LEARN:
+            if self.batch_rounds % LOOKUP_EVERY == 0:
                 self.shadow = propose_ngram(state.committed, k_cap, *self.ngram_n)
                 self.cost.saw_lookup(bool(self.shadow))
             self.batched = True

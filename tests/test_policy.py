@@ -211,44 +211,6 @@ def test_a_batch_shares_prompt_lookup_where_it_pays():
                                                                           strict=True))
 
 
-def test_a_cold_routers_batch_searches_the_lookup_every_round_until_it_has_learned():
-    """In a batch a row searches the prompt lookup every LOOKUP_EVERY-th round, what it
-    costs the router's loop; a cold router's rows search every round until it has seen
-    LOOKUP_LEARN searches, so that its match rate and lookup acceptance leave their priors
-    within its first batch rounds, not its first seconds."""
-    import specserve.policy as pol
-
-    cost = CostModel()
-    cost.observe(outcome(Plan(None, 0, "off"), 0, batch_size=8))  # a batch of 8
-    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(8)]
-    sts = [state(REPEATS * 3) for _ in rows]
-    for _ in range(pol.LOOKUP_LEARN // 8):
-        for policy, st in zip(rows, sts, strict=True):
-            policy.choose(st)
-    assert cost.lookup_seen == pol.LOOKUP_LEARN  # every row, every round
-    for _ in range(2 * pol.LOOKUP_EVERY):
-        for policy, st in zip(rows, sts, strict=True):
-            policy.choose(st)
-    assert cost.lookup_seen == pol.LOOKUP_LEARN + 2 * len(rows)  # then every 8th round
-
-
-def test_a_cold_routers_match_rate_follows_its_first_searches():
-    """The match rate starts at its prior counted as a few searches, as acceptance does: a
-    cold router whose searches all match reads most of the way there after 8 of them (a
-    fixed step of 0.05 read 0.67), and it still follows the text once it has seen many."""
-    from specserve.policy import MATCH_STEP, PRIOR_MATCH
-
-    cost = CostModel()
-    assert cost.lookup_match == PRIOR_MATCH
-    for _ in range(8):
-        cost.saw_lookup(True)
-    assert cost.lookup_match > 0.8
-    for _ in range(400):
-        cost.saw_lookup(True)
-    cost.saw_lookup(False)  # one miss after hundreds moves it by the floor's step
-    assert cost.lookup_match == pytest.approx(1.0 - MATCH_STEP, abs=1e-3)
-
-
 def test_shadow_acceptance_is_what_the_target_would_have_accepted():
     from specserve.policy import shadow_acceptance
 
@@ -267,12 +229,10 @@ def test_a_batch_learns_the_prompt_lookup_it_did_not_choose():
     its estimate moved only in rounds that chose it, which such a batch never did."""
     import random
 
-    import specserve.policy as pol
     from specserve.core.ngram import propose_ngram
 
     cost = seeded(0.006)
     cost.pooled["ngram"].alpha = [0.2] * len(cost.pooled["ngram"].alpha)  # an unlucky start
-    cost.lookup_seen = pol.LOOKUP_LEARN  # (on a router past its first searches)
     rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(2)]
     sts = [state(REPEATS * 3), state(REPEATS * 3)]
     found = propose_ngram(sts[0].committed, K)
