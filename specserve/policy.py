@@ -695,7 +695,7 @@ class GoodputPolicy:
         Decided once a batch round, by the first of its rows to ask, and taken by the
         others (capped by their budgets): every row would score the same plans on the same
         state, and the router runs its rows' policies on one event loop, where each row's
-        scoring (~80 us for nine plans) delayed every other row's call to the proposer,
+        scoring (nine plans, 80-130 us) delayed every other row's call to the proposer,
         whose step waits for its cohort: 1-2 ms a batch round at c=8-24 (docs/benchmarks.md)."""
         c = self.cost
         key = (self.has_drafter, self.k_max)
