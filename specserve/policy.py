@@ -329,8 +329,7 @@ class CostModel:
     # knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th and its lookup plans)
     lookup_match: float = PRIOR_MATCH
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
-    load: float = 1.0  # the same, rises at once, falls smoothed over the batch's last
-    # rounds: what its plan is for (``observe``)
+    load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     load_since: int = 0  # ``rounds`` when ``load`` last moved to another grid point (``_bucket``)
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
     plan_since: int = 0  # ``rounds`` when the batch's plan last changed or was tried against
@@ -575,15 +574,8 @@ class CostModel:
         self._measure(o, steady)
         if v.batch_size > 0:
             self.rows = v.batch_size + v.queue_rows
-            # A rise is taken at once: the rows in a step and those queued for it are all
-            # there (a burst arrives together; smoothed, the load of a batch of 16 took 8
-            # batch rounds to climb from the last burst's tail of 2, and its plans were
-            # scored and measured at the loads in between: 2, 4, 6, 7, 9, 12). A fall is
-            # smoothed: a step takes whoever has arrived, so one reply's rows may be a
-            # cohort split from the rest. Every row of a batch reports it: about LOAD_STEP
-            # a batch round whatever its size
-            load = float(self.rows) if self.rows > self.load else _ema(
-                self.load, self.rows, LOAD_STEP / self.rows)
+            # every row of a batch reports it: about LOAD_STEP a batch round whatever its size
+            load = _ema(self.load, self.rows, LOAD_STEP / self.rows)
             if _bucket(load) != _bucket(self.load):
                 self.load_since = self.rounds
             self.load = load
