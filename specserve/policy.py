@@ -334,7 +334,8 @@ class CostModel:
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
     plan_since: int = 0  # ``rounds`` when the batch's plan last changed or was tried against
     trying: tuple[tuple[str | None, int], tuple[str | None, int]] | None = None  # a try
-    # of the plan one draft down, and the plan to return to (``GoodputPolicy.try_down``)
+    # of the plan one draft down or of the other proposer's, and the plan to return to
+    # (``GoodputPolicy.try_down``)
     # the batch's last decision per (has a drafter, K_max): ``rounds`` then, the rows it
     # was for, the plan (``GoodputPolicy.in_batch``)
     decided: dict[tuple[bool, int], tuple[int, int, Plan]] = field(default_factory=dict)
@@ -769,7 +770,16 @@ class GoodputPolicy:
         ``TRY_AFTER`` batch rounds was a step every 24 s there. Not while the load moves:
         it passes a new grid point every few batch rounds on the way up and down, and
         trying at each one put 12-30 % of auto's rounds in tries (against 0-4 %) and
-        measured worse (docs/benchmarks.md)."""
+        measured worse (docs/benchmarks.md).
+
+        Likewise the other proposer's plan at the running k, if never measured near this
+        load (and scored within ``TRY_FLOOR``), is tried as soon as the running plan is
+        measured there and the load has held: the batch climbs from spec-off along one
+        proposer (a cold one, the draft model, whose prior is the higher), and the other
+        one's first rung, priced by the model against a measured plan that carries its
+        noise in the margin, was not reached: a cold batch at c=4 stayed on the draft model
+        where the lookup made 10-20 % more, unless its first decisions, taken while its
+        load still climbed from a burst's tail of 1-2 rows, had run the lookup."""
         c = self.cost
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
         if c.trying is not None:
@@ -782,11 +792,18 @@ class GoodputPolicy:
         if current[1] == 0:
             return current
         down = (current[0], current[1] - 1) if current[1] > 1 else (None, 0)
+        # a load held lately, the running plan measured there (cheapest tests first)
+        held = c.rounds > c.plan_since and c.rounds - c.load_since > TRY_HELD * rows \
+            and c.fresh_at(*current, rows) is not None
+        across = ("ngram" if current[0] == "draft" else "draft", current[1])
+        if held and across in scores and not c.seen_near(*across, rows) \
+                and scores[across][0] >= TRY_FLOOR * scores[current][0]:
+            c.plan_since = c.rounds  # the other proposer, never measured near this load
+            c.trying, c.batch_plan = (across, current), across
+            return current
         due = c.rounds - c.plan_since > TRY_AFTER * rows or (
-            # a plan never measured near a load held lately, below one measured there: at
-            # once (cheapest tests first: this runs in every row's round)
-            c.rounds > c.plan_since and c.rounds - c.load_since > TRY_HELD * rows
-            and c.fresh_at(*current, rows) is not None and not c.seen_near(*down, rows))
+            # a plan never measured near a load held lately, below one measured there
+            held and not c.seen_near(*down, rows))
         if not due:
             return current
         c.plan_since = c.rounds
