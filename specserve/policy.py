@@ -51,7 +51,8 @@ failed or is missing), ``budget`` (no room for a draft: max_tokens or the contex
 row drafts once, its best candidate: its acceptance and the drafts' cost are measured only
 where it drafts, and an estimate made on a bad stretch, or a cost model that overprices
 drafts, would otherwise keep it at k = 0 for good; and a batch's try of the plan one draft
-down, which the model overprices: ``try_down``), ``climb`` (a batch on a rung below its
+down, which the model overprices, or of the other proposer's plan at its k, never measured
+near the load: ``try_down``), ``climb`` (a batch on a rung below its
 best plan, which is out of reach until the rung is measured: ``CostModel.towards``).
 
 Greedy requests only: their output is the target's whatever the plan. A sampled request's
@@ -746,7 +747,8 @@ class GoodputPolicy:
 
     def try_down(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
                  rows: int) -> tuple[str | None, int]:
-        """The batch's plan, after starting or ending a try of the plan one draft down. A
+        """The batch's plan, after starting or ending a try of the plan one draft down (or of
+        the other proposer's at the running k: the last paragraph). A
         plan priced by the model carries the running plan's unmodelled costs: the shared
         ``overhead_s`` has the running plan's drafter contention in it, and a fit cannot
         tell a draft from a row where k does not vary. Those costs grow with the drafts (a
