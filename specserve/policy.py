@@ -798,20 +798,21 @@ class GoodputPolicy:
         held = c.rounds > c.plan_since and c.rounds - c.load_since > TRY_HELD * rows \
             and c.fresh_at(*current, rows) is not None
         across = ("ngram" if current[0] == "draft" else "draft", current[1])
-        if held and across in scores and not c.seen_near(*across, rows) \
-                and scores[across][0] >= TRY_FLOOR * scores[current][0]:
-            c.plan_since = c.rounds  # the other proposer, never measured near this load
-            c.trying, c.batch_plan = (across, current), across
-            return current
-        due = c.rounds - c.plan_since > TRY_AFTER * rows or (
-            # a plan never measured near a load held lately, below one measured there
-            held and not c.seen_near(*down, rows))
-        if not due:
+
+        def worth(plan: tuple[str | None, int]) -> bool:  # scored within TRY_FLOOR
+            return plan in scores and scores[plan][0] >= TRY_FLOOR * scores[current][0]
+
+        if held and worth(across) and not c.seen_near(*across, rows):
+            tried = across  # the other proposer, never measured near this load
+        elif c.rounds - c.plan_since > TRY_AFTER * rows or (
+                # a plan never measured near a load held lately, below one measured there
+                held and not c.seen_near(*down, rows)):
+            tried = down if c.fresh_at(*down, rows) is None and worth(down) else None
+        else:
             return current
         c.plan_since = c.rounds
-        if down in scores and c.fresh_at(*down, rows) is None \
-                and scores[down][0] >= TRY_FLOOR * scores[current][0]:
-            c.trying, c.batch_plan = (down, current), down
+        if tried is not None:
+            c.trying, c.batch_plan = (tried, current), tried
         return current
 
     def reproducible(self, state: RequestState, k_cap: int) -> Plan:
