@@ -51,8 +51,9 @@ failed or is missing), ``budget`` (no room for a draft: max_tokens or the contex
 row drafts once, its best candidate: its acceptance and the drafts' cost are measured only
 where it drafts, and an estimate made on a bad stretch, or a cost model that overprices
 drafts, would otherwise keep it at k = 0 for good; and a batch's try of the plan one draft
-down, which the model overprices, or of the other proposer's plan at its k, never measured
-near the load: ``try_down``), ``climb`` (a batch on a rung below its
+down, which the model overprices, of the other proposer's plan at its k, never measured
+near the load, or of a plan it left while that plan's measured time had risen, a burst's:
+``try_down``), ``climb`` (a batch on a rung below its
 best plan, which is out of reach until the rung is measured: ``CostModel.towards``).
 
 Greedy requests only: their output is the target's whatever the plan. A sampled request's
@@ -63,6 +64,7 @@ tokens depend on where drafts were proposed, so its plans must not depend on tim
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -108,6 +110,7 @@ TRY_AFTER = 24  # batch rounds on one plan before the batch tries the plan one d
 TRY_FLOOR = 0.85  # only if the model scores it this close to the plan
 TRY_ROUNDS = 8  # batch rounds a try lasts at most (its measurement needs MEASURED_AFTER + 1)
 TRY_AGAIN = 4  # batch rounds after a try the batch took before it tries the next one down
+LEVELS = 64  # batch rounds of a plan's window means kept for its usual time (``_Measured``)
 TRY_HELD = 4  # batch rounds the load held its grid point before a plan never measured
 # near it is tried at once (``try_down``)
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
@@ -238,6 +241,8 @@ class _Measured:
     n: int = 0
     tick: int = 0
     ratio: float | None = None  # seconds over the model's prediction, when last fresh
+    # ``seconds`` once a batch round, the last ``LEVELS`` (``usual``)
+    levels: deque[float] = field(default_factory=lambda: deque(maxlen=LEVELS))
     _sum: float = field(default=0.0, init=False)  # of ``times`` and of their squares: the
     _sq: float = field(default=0.0, init=False)  # window's mean and spread in O(1) a round
 
@@ -257,6 +262,14 @@ class _Measured:
             self.rse = math.sqrt(var / max(1.0, n / self.rows)) / mean
         self.n += 1
         self.tick = tick
+        if self.n % self.rows == 0:  # one a batch round
+            self.levels.append(mean)
+
+    @property
+    def usual(self) -> float:
+        """The plan's usual measured time here: the median of its last windows' means, one
+        a batch round (a burst's windows, a second or two of them, are not the usual)."""
+        return statistics.median(self.levels) if self.levels else self.seconds
 
 
 def _plan_key(plan: Plan) -> tuple[str | None, int]:
@@ -337,6 +350,8 @@ class CostModel:
     trying: tuple[tuple[str | None, int], tuple[str | None, int]] | None = None  # a try
     # of the plan one draft down or of the other proposer's, and the plan to return to
     # (``GoodputPolicy.try_down``)
+    left: tuple[tuple[str | None, int], int, int] | None = None  # a plan the batch left
+    # while its time had risen, its load and ``rounds`` then: to be measured again (``leaving``)
     # the batch's last decision per (has a drafter, K_max): ``rounds`` then, the rows it
     # was for, the plan (``GoodputPolicy.in_batch``)
     decided: dict[tuple[bool, int], tuple[int, int, Plan]] = field(default_factory=dict)
@@ -467,6 +482,41 @@ class CostModel:
         if k <= top:
             return best
         return (p, top) if top > current[1] else current
+
+    def leaving(self, plan: tuple[str | None, int], score: float, best: float,
+                rows: int) -> None:
+        """The batch leaves ``plan`` (goodput ``score``) for a plan scored ``best``, with
+        fewer drafts or of another proposer: if at its usual measured time here the plan
+        would have scored within ``HYSTERESIS`` of ``best``, it left on a stretch of its
+        rounds, not on what it costs, and it is measured again ``TRY_AFTER`` batch rounds
+        later (``recheck``). A measured time is the mean of the plan's last few batch
+        rounds, and a burst of arrivals (their prefills in the target's steps, and the
+        drafter's) put a batch's rounds at 2-5x for a second or two: a batch at c=4 on code
+        left the draft model in such a burst for the lookup, and its draft rounds, priced
+        once their measurement expired at that stretch's ratio to the model
+        (``_correction``), never got it back (16.4 tokens/s a row on the lookup against
+        22.7 on the draft model). Measured again after the burst, the two plans' times
+        decide. One plan at a time, the first one left."""
+        m = self.fresh_at(*plan, rows)
+        if self.left is None and m is not None and self.rounds - self.load_since > TRY_HELD \
+                * rows and score * m.seconds / m.usual * (1 + HYSTERESIS) >= best:
+            self.left = (plan, _bucket(rows), self.rounds)
+
+    def recheck(self, rows: int) -> tuple[str | None, int] | None:
+        """The plan to measure again now (``leaving``): one left ``TRY_AFTER`` batch rounds
+        ago, if the load is still where it was left."""
+        if self.left is None or self.rounds - self.left[2] <= TRY_AFTER * rows:
+            return None
+        (plan, b, _), self.left = self.left, None
+        return plan if b == _bucket(rows) else None
+
+    def remeasure(self, proposer: str | None, k: int, rows: int) -> None:
+        """Forget the plan's measured times at this load (its ratio to the model stays, as
+        evidence until it is measured again: ``_correction``)."""
+        key = (proposer, k, _bucket(rows))
+        if (m := self.measured.get(key)) is not None:
+            self.measured[key] = _Measured(deque(maxlen=m.times.maxlen), rows=m.rows,
+                                           tick=m.tick, ratio=m.ratio)
 
     def seen_near(self, proposer: str | None, k: int, rows: int) -> bool:
         """Whether the plan's time was ever measured (``MEASURED_AFTER`` batch rounds) at
@@ -732,6 +782,8 @@ class GoodputPolicy:
             step = c.towards(best, current, others + 1)
             climb = step != best
             if step != current:
+                if step[1] <= current[1] or step[0] != current[0]:  # not a climb
+                    c.leaving(current, scores[current][0], scores[best][0], others + 1)
                 c.batch_plan = current = step
                 if not ended:  # (the one after a try keeps its ``TRY_AGAIN``)
                     c.plan_since = c.rounds
@@ -748,7 +800,8 @@ class GoodputPolicy:
     def try_down(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
                  rows: int) -> tuple[str | None, int]:
         """The batch's plan, after starting or ending a try of the plan one draft down (or of
-        the other proposer's at the running k: the last paragraph). A
+        the other proposer's at the running k, or of a plan left in a burst: the last two
+        paragraphs). A
         plan priced by the model carries the running plan's unmodelled costs: the shared
         ``overhead_s`` has the running plan's drafter contention in it, and a fit cannot
         tell a draft from a row where k does not vary. Those costs grow with the drafts (a
@@ -781,7 +834,11 @@ class GoodputPolicy:
         one's first rung, priced by the model against a measured plan that carries its
         noise in the margin, was not reached: a cold batch at c=4 stayed on the draft model
         where the lookup made 10-20 % more, unless its first decisions, taken while its
-        load still climbed from a burst's tail of 1-2 rows, had run the lookup."""
+        load still climbed from a burst's tail of 1-2 rows, had run the lookup.
+
+        And a plan the batch left on a stretch of its rounds (a burst of arrivals), one it
+        would have kept at its usual measured time, is measured again ``TRY_AFTER`` batch
+        rounds later, once, before any other try (``CostModel.leaving``)."""
         c = self.cost
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
         if c.trying is not None:
@@ -791,6 +848,10 @@ class GoodputPolicy:
                 c.plan_since = c.rounds - (TRY_AFTER - TRY_AGAIN) * rows
                 return home if home in scores else (None, 0)
             return current
+        recheck = c.recheck(rows)
+        if recheck in scores and recheck != current:  # a plan left while its time had risen
+            c.remeasure(*recheck, rows)
+            return self._start_try(recheck, current)
         if current[1] == 0:
             return current
         down = (current[0], current[1] - 1) if current[1] > 1 else (None, 0)
@@ -810,6 +871,13 @@ class GoodputPolicy:
             tried = down if c.fresh_at(*down, rows) is None and worth(down) else None
         else:
             return current
+        return self._start_try(tried, current)
+
+    def _start_try(self, tried: tuple[str | None, int] | None,
+                   current: tuple[str | None, int]) -> tuple[str | None, int]:
+        """Run ``tried`` until measured, then go back to ``current`` (``try_down``); with
+        nothing to try, the next try is due ``TRY_AFTER`` batch rounds on."""
+        c = self.cost
         c.plan_since = c.rounds
         if tried is not None:
             c.trying, c.batch_plan = (tried, current), tried

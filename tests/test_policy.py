@@ -1107,3 +1107,54 @@ def test_a_batch_tries_the_other_proposer_never_measured_near_a_held_load():
         assert plans[first].reason == "explore" and first <= pol.MEASURED_AFTER + pol.TRY_HELD + 3
         assert all(p.proposer == "ngram" for p in plans[-pol.TRY_AFTER:])
         assert all(p.proposer == "draft" for p in run(seed, 0.0))
+
+
+def test_a_plan_left_in_a_burst_is_measured_again_and_taken_back():
+    """A burst of arrivals (their prefills in the target's and the drafter's steps) puts a
+    batch's rounds at 2-5x for a second or two, and a plan's measured time (the mean of its
+    last few batch rounds) reads it: a batch at c=4 on code left the draft model in such a
+    burst, and its draft rounds, priced after their measurement expired at that stretch's
+    ratio to the model, never got it back. A plan the batch left that it would have kept at
+    its usual measured time (the median of its windows) is measured again TRY_AFTER batch
+    rounds later, and the measured times decide. Here draft:2 makes the most a second
+    (48.8 tokens against 40 for draft:1 and 38 for the lookup), and every plan's rounds take
+    4x for 12 batch rounds: the batch leaves draft:2 in the burst and is back on it for the
+    last 40 of 120 batch rounds in every seed (before this, in 1 of 12). Without the burst
+    it never marks a plan to measure again."""
+    import random
+
+    import specserve.policy as pol
+
+    took = {("draft", 2): 0.05, ("draft", 1): 0.045, ("ngram", 2): 0.035,
+            ("ngram", 1): 0.035, (None, 0): 0.03}
+    alpha = {"draft": 0.8, "ngram": 0.4}
+
+    def run(seed: int, burst: float) -> tuple[list[Plan], int]:
+        cost = seeded(0.0002)
+        cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("draft", 2)
+        cost.lookup_match = 0.6
+        for p, a in alpha.items():
+            cost.pooled[p].alpha = [a] * len(cost.pooled[p].alpha)
+        rows = [GoodputPolicy(cost, 2, has_drafter=True) for _ in range(4)]
+        sts = [state() for _ in rows]
+        rng, plans, marked = random.Random(seed), [], 0
+        for i in range(120):  # batch rounds
+            for policy, st in zip(rows, sts, strict=True):
+                plan = policy.choose(st)
+                a = alpha.get(plan.proposer, 0.0)
+                if plan.proposer == "ngram" and rng.random() >= 0.6:
+                    a = 0.0  # no match this round
+                accepted = next((j for j in range(plan.k) if rng.random() >= a), plan.k)
+                o = outcome(plan, accepted, batch_size=4, others_drafts=3 * plan.k)
+                t = took[pol._plan_key(plan)] * (1 + 0.2 * rng.random())
+                policy.observe(st, replace(o, round_s=t * (burst if 20 <= i < 32 else 1.0)))
+            plans.append(plan)
+            marked += cost.left is not None
+        return plans, marked
+
+    for seed in range(12):
+        plans, marked = run(seed, 4.0)
+        assert any(p.proposer != "draft" or p.k != 2 for p in plans[20:60])  # it left
+        assert marked and all(p.proposer == "draft" and p.k == 2 for p in plans[-40:])
+        plans, marked = run(seed, 1.0)
+        assert marked == 0
