@@ -52,9 +52,9 @@ row drafts once, its best candidate: its acceptance and the drafts' cost are mea
 where it drafts, and an estimate made on a bad stretch, or a cost model that overprices
 drafts, would otherwise keep it at k = 0 for good; and a batch's try of the plan one draft
 down, which the model overprices, of the other proposer's plan at its k, never measured
-near the load, or of a plan it left while that plan's measured time had risen, a burst's:
-``try_down``), ``climb`` (a batch on a rung below its
-best plan, which is out of reach until the rung is measured: ``CostModel.towards``).
+near the load, or of a plan it left on a stretch of its rounds, a burst's: ``try_down``),
+``climb`` (a batch on a rung below its best plan, which is out of reach until the rung is
+measured: ``CostModel.towards``).
 
 Greedy requests only: their output is the target's whatever the plan. A sampled request's
 tokens depend on where drafts were proposed, so its plans must not depend on timing or load
@@ -96,6 +96,7 @@ MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time 
 # the model's prediction (``CostModel.round_s``)
 MEASURED_STALE = 32  # a plan's measured time older than this many batch rounds expires
 MEASURED_WINDOW = 8  # a plan's measured time is the mean of its last this many batch rounds
+LEVELS = 64  # batch rounds of a plan's window means kept for its usual time (``_Measured``)
 RATIO_HALF_LIFE = 128  # batch rounds over which a stale plan's measured / predicted time
 # fades halfway to 1 (``CostModel._correction``)
 STEADY_FED = 2  # a round whose caches fed more than its 1-2 committed tokens caught up
@@ -110,7 +111,6 @@ TRY_AFTER = 24  # batch rounds on one plan before the batch tries the plan one d
 TRY_FLOOR = 0.85  # only if the model scores it this close to the plan
 TRY_ROUNDS = 8  # batch rounds a try lasts at most (its measurement needs MEASURED_AFTER + 1)
 TRY_AGAIN = 4  # batch rounds after a try the batch took before it tries the next one down
-LEVELS = 64  # batch rounds of a plan's window means kept for its usual time (``_Measured``)
 TRY_HELD = 4  # batch rounds the load held its grid point before a plan never measured
 # near it is tried at once (``try_down``)
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
@@ -350,8 +350,8 @@ class CostModel:
     trying: tuple[tuple[str | None, int], tuple[str | None, int]] | None = None  # a try
     # of the plan one draft down or of the other proposer's, and the plan to return to
     # (``GoodputPolicy.try_down``)
-    left: tuple[tuple[str | None, int], int, int] | None = None  # a plan the batch left
-    # while its time had risen, its load and ``rounds`` then: to be measured again (``leaving``)
+    left: tuple[tuple[str | None, int], int, int] | None = None  # a plan the batch left on
+    # a stretch of its rounds, its load and ``rounds`` then: to be measured again (``leaving``)
     # the batch's last decision per (has a drafter, K_max): ``rounds`` then, the rows it
     # was for, the plan (``GoodputPolicy.in_batch``)
     decided: dict[tuple[bool, int], tuple[int, int, Plan]] = field(default_factory=dict)
@@ -849,7 +849,7 @@ class GoodputPolicy:
                 return home if home in scores else (None, 0)
             return current
         recheck = c.recheck(rows)
-        if recheck in scores and recheck != current:  # a plan left while its time had risen
+        if recheck in scores and recheck != current:  # a plan left on a stretch of its rounds
             c.remeasure(*recheck, rows)
             return self._start_try(recheck, current)
         if current[1] == 0:
