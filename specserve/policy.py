@@ -272,6 +272,12 @@ class _Measured:
         return statistics.median(self.levels) if self.levels else self.seconds
 
 
+def _window(b: int, ratio: float | None = None, tick: int = 0) -> _Measured:
+    """A new measured window for a plan at load ``b`` (``MEASURED_WINDOW`` batch rounds),
+    keeping a ``ratio`` to the model from before as its evidence until measured again."""
+    return _Measured(deque(maxlen=max(8, MEASURED_WINDOW * b)), rows=b, tick=tick, ratio=ratio)
+
+
 def _plan_key(plan: Plan) -> tuple[str | None, int]:
     """A plan as its measured times are kept: k = 0 is nobody, whoever was asked."""
     return (plan.proposer if plan.k else None, plan.k)
@@ -515,8 +521,7 @@ class CostModel:
         evidence until it is measured again: ``_correction``)."""
         key = (proposer, k, _bucket(rows))
         if (m := self.measured.get(key)) is not None:
-            self.measured[key] = _Measured(deque(maxlen=m.times.maxlen), rows=m.rows,
-                                           tick=m.tick, ratio=m.ratio)
+            self.measured[key] = _window(m.rows, m.ratio, m.tick)
 
     def seen_near(self, proposer: str | None, k: int, rows: int) -> bool:
         """Whether the plan's time was ever measured (``MEASURED_AFTER`` batch rounds) at
@@ -544,9 +549,7 @@ class CostModel:
         key = (*_plan_key(o.plan), b)
         m = self.measured.get(key)
         if m is None or self.ticks - m.tick > MEASURED_STALE * b:
-            ratio = m.ratio if m is not None else None  # its evidence until measured again
-            m = self.measured[key] = _Measured(deque(maxlen=max(8, MEASURED_WINDOW * b)),
-                                               rows=b, ratio=ratio)
+            m = self.measured[key] = _window(b, m.ratio if m is not None else None)
         m.add(o.round_s + o.gap_s, self.ticks)
 
     def verify_s(self, rows: float, tokens: float) -> float:
