@@ -2,7 +2,9 @@
 of the run's round time (with the gaps), rounds, tokens a round, ms a round and the ms of
 it that the verify call waited beyond the target's compute (for the step); for auto,
 its round time by the reason of its plans (``explore``: the tries) and the plans of each
-BIN-second stretch of the run and the tokens/s committed in it.
+BIN-second stretch of the run and the tokens/s committed in it; per level, how fast the
+target's forward ran in each configuration's windows against the others' at the same batch
+shapes (``target_speed``: a reading the shared machine slowed, told from one the plans did).
 
     scripts/isolated .venv/bin/specserve bench --suite --round-log /tmp/rounds.jsonl ... \\
         --out /tmp/suite
@@ -20,7 +22,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from specserve.bench.analysis import runs_rounds
+from specserve.bench.analysis import runs_rounds, target_speed
 
 
 def _key(r: dict) -> str:
@@ -81,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for cls, body in report["classes"].items():
         for level, configs in body["levels"].items():
-            for name, runs in runs_rounds(configs, log).items():
+            by_config = runs_rounds(configs, log)
+            print(f"## {cls} c={level}: the target's forward at the same batch shapes against "
+                  "the other configurations' (1.0: as fast; at c=1 a reading far from 1 is "
+                  "the machine): " + ", ".join(f"{name} {x}" for name, x in
+                                               target_speed(by_config).items()))
+            for name, runs in by_config.items():
                 for i, rounds in enumerate(runs):
                     a, b = configs[name]["windows_runs"][i]
                     print(f"## {cls} c={level} {name} run {i}: {len(rounds)} rounds, "

@@ -136,6 +136,29 @@ def test_workloads(tmp_path):
         load_jsonl(path)
 
 
+def test_target_speed_compares_each_configurations_forward_at_the_same_batch_shapes():
+    """A configuration's window the shared machine slowed shows as its target's forward
+    taking longer than the other configurations' at the same (rows, tokens): per other
+    configuration the median of the shapes' ratios, then their geometric mean. Steps with a
+    prefill in them, and shapes seen fewer than ``min_rounds`` times, are left out."""
+    from specserve.bench.analysis import target_speed
+
+    def rnd(rows, tokens, s, batch_fed=None):
+        return {"rows": rows, "batch_tokens": tokens, "verify_compute_s": s,
+                "batch_fed": tokens if batch_fed is None else batch_fed}
+
+    fast = [rnd(1, 3, 0.02)] * 3 + [rnd(1, 5, 0.03)] * 3
+    slow = [rnd(1, 3, 0.03)] * 3 + [rnd(1, 5, 0.045)] * 3 + [rnd(1, 3, 9.0, batch_fed=300)] * 3
+    other = [rnd(1, 3, 0.02)] * 3 + [rnd(2, 2, 0.5)] * 2  # (2, 2): too few to count
+    lone = [rnd(4, 4, 0.1)] * 3  # no shape in common
+    got = target_speed({"fast": [fast], "slow": [slow[:4], slow[4:]], "other": [other],
+                        "lone": [lone]})
+    assert got["slow"] == pytest.approx(1.5, abs=1e-3)  # 1.5 against both
+    assert got["fast"] == pytest.approx((1 / 1.5) ** 0.5, abs=1e-3)  # 2/3 and 1
+    assert got["other"] == pytest.approx((1 / 1.5) ** 0.5, abs=1e-3)  # 1 and 2/3
+    assert got["lone"] is None
+
+
 def test_round_costs_set_the_cost_models_view_beside_each_runs_tokens_per_s():
     """A logged run's rounds by its window: tokens a round over the mean of the rounds the
     cost model measures (other requests' prefills in, first rounds and catch-ups out), over

@@ -225,3 +225,34 @@ def round_costs(levels: Mapping[str, Mapping[str, Mapping]], records: Sequence[M
                 rows.append(row)
             out.setdefault(lvl, {})[name] = rows
     return out
+
+
+def target_speed(runs: Mapping[str, Sequence[Sequence[Mapping]]],
+                 min_rounds: int = 3) -> dict[str, float | None]:
+    """Per configuration of one level (``runs_rounds``), how long the target's forward took
+    against the level's other configurations at the same batch shapes (rows, tokens): for
+    each other configuration, the median over the shapes both ran ``min_rounds`` times of
+    the ratio of their median compute times (decoding steps only, ``policy.decoding``);
+    then the geometric mean over the others. 1.0: the target ran as fast in its windows as
+    in the others'. A configuration's tokens/s swings with the shared machine, and this
+    tells a window the machine slowed from one its plans made slow: at concurrency 1
+    nothing shares the CPUs with the forward (the drafter's call comes before it), so a
+    reading far from 1 there is the machine; above it the drafter's steps for other rows
+    overlap the target's and take its CPUs, which is the configuration's own cost. None:
+    no shape in common with any other."""
+    from specserve.policy import decoding
+
+    def medians(rounds: Sequence[Mapping]) -> dict[tuple[int, int], float]:
+        by: dict[tuple[int, int], list[float]] = {}
+        for r in rounds:
+            if r.get("verify_compute_s") and decoding(r["batch_fed"], r["batch_tokens"]):
+                by.setdefault((r["rows"], r["batch_tokens"]), []).append(r["verify_compute_s"])
+        return {shape: float(np.median(t)) for shape, t in by.items() if len(t) >= min_rounds}
+
+    shapes = {name: medians([r for run in rs for r in run]) for name, rs in runs.items()}
+    out: dict[str, float | None] = {}
+    for name, mine in shapes.items():
+        logs = [math.log(float(np.median([t / their[s] for s, t in mine.items() if s in their])))
+                for other, their in shapes.items() if other != name and mine.keys() & their]
+        out[name] = round(math.exp(sum(logs) / len(logs)), 3) if logs else None
+    return out
