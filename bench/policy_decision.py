@@ -1,9 +1,11 @@
-"""Router-side cost of spec=auto per row and round: a batch of 16 rows, every plan's round
-time measured at that load (nobody, draft and lookup at k = 1..4), each row observing its
-last round and choosing its next (``GoodputPolicy.observe`` + ``choose``), averaged over
-the batch's rounds (``row_round_us``; ``choose_us``: its ``choose`` part, ``observe_us``:
-one ``observe``). This runs on the router's event loop for every row of every round, so
-it is on the per-round path. Pure (no Ray, no models).
+"""Router-side cost of spec=auto per row and round: a batch of 16 rows (``--rows``),
+every plan's round time measured at that load (nobody, draft and lookup at k = 1..4), each
+row observing its last round and choosing its next (``GoodputPolicy.observe`` +
+``choose``), averaged over the batch's rounds (``row_round_us``; ``choose_us``: its
+``choose`` part, ``observe_us``: one ``observe``). This runs on the router's event loop for
+every row of every round, so it is on the per-round path. Pure (no Ray, no models).
+``--rows 1``: a row alone, which scores every plan itself every round and searches its
+prompt lookup (``--context`` tokens, a text that repeats itself, two new ones a round).
 
 Run it with ``PYTHONPATH`` at another checkout to time that checkout's policy:
     .venv/bin/python bench/policy_decision.py
@@ -40,13 +42,17 @@ def _outcome(plan: Plan, accepted: int) -> RoundOutcome:
 
 
 def main() -> None:
+    global ROWS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--number", type=int, default=20000, help="calls per timing")
+    ap.add_argument("--rows", type=int, default=ROWS, help="rows of the batch")
+    ap.add_argument("--context", type=int, default=64, help="each row's tokens")
     args = ap.parse_args()
+    ROWS = args.rows
     cost = CostModel()
     rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(ROWS)]
-    prompt = list(range(100, 164))
-    states = [new_state(GenerationRequest(prompt_ids=prompt, max_tokens=64, k=K), prompt, 512,
+    prompt = [100 + (i * 7919) % 97 for i in range(args.context)]  # repeats every 97
+    states = [new_state(GenerationRequest(prompt_ids=prompt, max_tokens=1024, k=K), prompt, 4096,
                         None, ("", ""), f"r{i}") for i in range(ROWS)]
     plans = [Plan(None, 0, "goodput"), *(Plan(p, k, "goodput") for p in ("draft", "ngram")
                                           for k in range(1, K + 1))]
@@ -59,6 +65,9 @@ def main() -> None:
     def batch_round() -> None:  # every row observes its last round and chooses its next
         for policy, st in zip(rows, states, strict=True):
             policy.observe(st, o)
+            if len(st.committed) >= len(prompt) + 512:  # as a new request would
+                del st.committed[len(prompt):]
+            st.committed += [prompt[len(st.committed) % len(prompt)], 101]
             policy.choose(st)
 
     policy, st = rows[0], states[0]

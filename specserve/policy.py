@@ -70,10 +70,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from specserve.api import MAX_K
-from specserve.core.ngram import propose_ngram
+from specserve.core.ngram import NgramIndex
 from specserve.rounds import NO_SPECULATION, FixedK, Plan, Policy, max_k
 
 if TYPE_CHECKING:
@@ -152,6 +150,30 @@ class Acceptance:
         return total
 
 
+def _dot(coefs: Sequence[float], x: Sequence[float]) -> float:
+    """``coefs @ (1, *x)``."""
+    total = coefs[0]
+    for c, v in zip(coefs[1:], x, strict=True):
+        total += c * v
+    return float(total)
+
+
+def _solve_spd(a: list[list[float]], b: list[float]) -> list[float]:
+    """``a^-1 b`` for a small symmetric positive definite ``a`` (Gaussian elimination; no
+    pivoting needed), in place."""
+    n = len(b)
+    for i in range(n):
+        for r in range(i + 1, n):
+            f = a[r][i] / a[i][i]
+            for c in range(i, n):
+                a[r][c] -= f * a[i][c]
+            b[r] -= f * b[i]
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        x[i] = (b[i] - sum(a[i][c] * x[c] for c in range(i + 1, n))) / a[i][i]
+    return x
+
+
 @dataclass
 class _Fit:
     """A linear time model ``y = theta @ (1, x_1, ...)`` by exponentially weighted least
@@ -160,25 +182,33 @@ class _Fit:
     with k = 0) keeps the prior's, so a k not tried lately looks as cheap as the prior
     says and gets tried. Coefficients are >= 0; ``ordered``: each slope <= the one before
     (for verify, a draft token never costs more than a new row: when rows and drafts rise
-    together the fit alone cannot tell them apart)."""
+    together the fit alone cannot tell them apart).
+
+    In floats, not numpy: 2-3 coefficients, observed and solved every round and read for
+    every plan scored, on the router's event loop before the round's proposer call, where
+    numpy's per-call overhead was a third of a row's plan choice (with the prompt lookup's
+    index, a row alone's round of ``observe`` + ``choose`` went from 185 to 91 us at 600
+    tokens: ``bench/policy_decision.py --rows 1 --context 600``)."""
 
     rel: tuple[float, ...]
     ordered: bool = False
     ridge: float = 2.0  # the prior's weight, in pseudo-observations per coefficient
     decay: float = 0.98
-    xtx: np.ndarray = field(init=False)
-    xty: np.ndarray = field(init=False)
-    _theta: np.ndarray | None = field(default=None, init=False)  # the last solved
+    xtx: list[list[float]] = field(init=False)
+    xty: list[float] = field(init=False)
+    _theta: tuple[float, ...] | None = field(default=None, init=False)  # the last solved
     _fresh: bool = field(default=False, init=False)  # _theta includes every observation
 
     def __post_init__(self) -> None:
         n = len(self.rel) + 1
-        self.xtx, self.xty = np.zeros((n, n)), np.zeros(n)
+        self.xtx, self.xty = [[0.0] * n for _ in range(n)], [0.0] * n
 
     def observe(self, x: Sequence[float], seconds: float) -> None:
-        v = np.array([1.0, *x])
-        self.xtx = self.xtx * self.decay + np.outer(v, v)
-        self.xty = self.xty * self.decay + v * seconds
+        v, d = (1.0, *(float(e) for e in x)), self.decay
+        for i, row in enumerate(self.xtx):
+            for j in range(len(row)):
+                row[j] = row[j] * d + v[i] * v[j]
+            self.xty[i] = self.xty[i] * d + v[i] * seconds
         self._fresh = False
 
     def learn(self, x: Sequence[float], seconds: float) -> None:
@@ -191,36 +221,39 @@ class _Fit:
         one (a round's observations come between two solves; solving again for each
         would double the fit's cost on the router)."""
         if self._theta is not None:
-            seconds = min(seconds, STALL * max(float(self._theta @ np.array([1.0, *x])), 1e-4))
+            seconds = min(seconds, STALL * max(_dot(self._theta, x), 1e-4))
         self.observe(x, seconds)
 
     @property
     def known(self) -> bool:
-        return bool(self.xtx[0, 0] > 0)
+        return self.xtx[0][0] > 0
 
     def predict(self, x: Sequence[float], default: float) -> float:
         """The time at ``x``; before any observation, the prior with ``a = default``."""
-        v = np.array([1.0, *x])
-        if not self.known:
-            return default * float(np.array([1.0, *self.rel]) @ v)
-        return float(self.coef() @ v)
+        if not self.xtx[0][0] > 0:
+            return default * _dot((1.0, *self.rel), x)
+        return _dot(self.coef(), x)
 
-    def coef(self) -> np.ndarray:
+    def coef(self) -> tuple[float, ...]:
         if self._theta is None or not self._fresh:
             self._theta, self._fresh = self._solve(), True
         return self._theta
 
-    def _solve(self) -> np.ndarray:
-        w = self.xtx[0, 0]
-        ratios = np.array([1.0, *self.rel])
-        prior = ratios * (self.xty[0] / w) / float(ratios @ (self.xtx[0] / w))
-        lam = self.ridge * np.maximum(np.diag(self.xtx) / w, 1e-9)
-        theta = np.maximum(np.linalg.solve(self.xtx + np.diag(lam), self.xty + lam * prior), 0.0)
+    def _solve(self) -> tuple[float, ...]:
+        xtx, xty, n = self.xtx, self.xty, len(self.xty)
+        w = xtx[0][0]
+        ratios = (1.0, *self.rel)
+        # the prior a * (1, *rel), its a from the mean time over the mean of (1, *rel) @ x
+        scale = xty[0] / sum(r * v for r, v in zip(ratios, xtx[0], strict=True))
+        lam = [self.ridge * max(xtx[i][i] / w, 1e-9) for i in range(n)]
+        theta = [max(t, 0.0) for t in _solve_spd(
+            [[xtx[i][j] + (lam[i] if i == j else 0.0) for j in range(n)] for i in range(n)],
+            [xty[i] + lam[i] * ratios[i] * scale for i in range(n)])]
         theta[0] = max(theta[0], 1e-6)
         if self.ordered:
-            for i in range(2, len(theta)):
+            for i in range(2, n):
                 theta[i] = min(theta[i], theta[i - 1])
-        return theta
+        return tuple(theta)
 
 
 @dataclass
@@ -557,6 +590,8 @@ class CostModel:
 
     def draft_step_s(self, rows: float) -> float:
         """One draft token for ``rows`` rows in one drafter step."""
+        if self.draft.known:
+            return self.draft.predict((rows,), 0.0)
         return self.draft.predict((rows,), self.draft_rel_cost * self.verify_s(1, 1))
 
     def snapshot(self) -> dict:
@@ -646,7 +681,7 @@ class GoodputPolicy:
                  priors: dict[str, list[float]] | None = None,
                  ngram_max_n: int = 4, ngram_min_n: int = 1):
         self.cost, self.k_max, self.has_drafter = cost, k_max, has_drafter
-        self.ngram_n = (ngram_max_n, ngram_min_n)
+        self.lookup = NgramIndex(ngram_max_n, ngram_min_n)  # the request's prompt lookup
         priors = priors or {}
         self.acceptance = {
             p: Acceptance([*priors.get(p, []), *[PRIOR_ACCEPTANCE[p]] * k_max][:k_max])
@@ -663,7 +698,7 @@ class GoodputPolicy:
         out = []
         if self.has_drafter:
             out += [("draft", k) for k in range(1, k_cap + 1)]
-        match = self.shadow = propose_ngram(state.committed, k_cap, *self.ngram_n)
+        match = self.shadow = self.lookup.propose(state.committed, k_cap)
         self.cost.saw_lookup(bool(match))
         out += [("ngram", k) for k in range(1, len(match) + 1)]
         return out
@@ -709,7 +744,7 @@ class GoodputPolicy:
         if self.cost.rows > 1:
             self.batch_rounds += 1
             if self.batch_rounds % LOOKUP_EVERY == 0:
-                self.shadow = propose_ngram(state.committed, k_cap, *self.ngram_n)
+                self.shadow = self.lookup.propose(state.committed, k_cap)
                 self.cost.saw_lookup(bool(self.shadow))
             self.batched = True
             return self.in_batch(k_cap)
@@ -893,7 +928,7 @@ class GoodputPolicy:
         nobody. (Prompt lookup's q is one-hot: sampled, it is accepted with p(x) only.)"""
         if self.has_drafter:
             return Plan("draft", k_cap, "sampled")
-        match = propose_ngram(state.committed, k_cap, *self.ngram_n)
+        match = self.lookup.propose(state.committed, k_cap)
         if match:
             return Plan("ngram", len(match), "sampled")
         return Plan(None, 0, "no_lookup_match")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
 
 from specserve.core import rng
 from specserve.core.commit import decide_commit, repair_plan, truncate_at_stop
-from specserve.core.ngram import propose_ngram
+from specserve.core.ngram import NgramIndex, propose_ngram
 from specserve.core.sampling import SamplingError, SamplingParams, probs_from_logits
 from specserve.core.stats import AcceptanceStats
 
@@ -77,6 +79,37 @@ def test_ngram():
     assert propose_ngram([5, 1, 7, 5, 1, 8, 0, 1], 1) == [8]
     with pytest.raises(ValueError):
         propose_ngram(toks, 2, max_n=1, min_n=2)
+
+
+def _lookup_by_definition(tokens, k, max_n, min_n):
+    """The latest earlier occurrence of the longest suffix (max_n .. min_n tokens) that has
+    one, and the k tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_index_searches_a_growing_context_as_a_fresh_search_would():
+    """One index across calls (as a request's policy and a drafter session keep it) finds
+    what the definition finds, whether the context grew, was rolled back or replaced."""
+    rng = random.Random(7)
+    for _ in range(400):
+        vocab, max_n = rng.choice([2, 3, 5, 20]), rng.randint(1, 5)
+        min_n = rng.randint(1, max_n)
+        index, tokens = NgramIndex(max_n, min_n), []
+        for _ in range(30):
+            u = rng.random()
+            if u < 0.1 and tokens:  # rolled back
+                tokens = tokens[: rng.randrange(len(tokens))]
+            elif u < 0.15:  # another sequence
+                tokens = [rng.randrange(vocab) for _ in range(rng.randrange(10))]
+            else:
+                tokens = tokens + [rng.randrange(vocab) for _ in range(rng.randrange(4))]
+            k = rng.randrange(6)
+            want = _lookup_by_definition(tokens, k, max_n, min_n)
+            assert index.propose(tokens, k) == want == propose_ngram(tokens, k, max_n, min_n)
 
 
 def test_stats():

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 
 from specserve.contract import ProposeItem, ProposeOutcome, RepairRecord
 from specserve.core.commit import check_tokens_window
-from specserve.core.ngram import propose_ngram
+from specserve.core.ngram import NgramIndex
 from specserve.core.sampling import SamplingParams
 from specserve.engine.lean import LeanLlama
 from specserve.engine.sessions import DraftJob, DraftModelSession, guess_batch, propose_batch
@@ -96,13 +96,14 @@ class _Session:
     committed: list[int]
     model: DraftModelSession | None = None
     aheads: list[_Block] = field(default_factory=list)  # drafted ahead, for the next call
+    lookup: NgramIndex | None = None  # its prompt lookup's index, once it was asked one
 
     @property
     def nbytes(self) -> int:
         """Its cache, the copies its outcomes drafted ahead were drafted in, its tokens."""
         models = [self.model, *(a.model for a in self.aheads)]
         return sum(m.nbytes for m in models if m is not None) + _TOKEN_BYTES * len(
-            self.committed)
+            self.committed) + (self.lookup.nbytes if self.lookup is not None else 0)
 
 
 class DrafterEngine(LRUSessions):
@@ -178,7 +179,9 @@ class DrafterEngine(LRUSessions):
                 outcomes[i] = ProposeOutcome([], None, cache_miss=True)
             elif it.mode == "ngram":
                 self._replied.pop(it.session_id, None)  # nothing to draft ahead from
-                drafts = propose_ngram(sess.committed, it.k, self.ngram_max_n, self.ngram_min_n)
+                if sess.lookup is None:
+                    sess.lookup = NgramIndex(self.ngram_max_n, self.ngram_min_n)
+                drafts = sess.lookup.propose(sess.committed, it.k)
                 outcomes[i] = ProposeOutcome(drafts, None)
             else:
                 assert self.lean is not None  # checked
