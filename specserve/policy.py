@@ -230,7 +230,7 @@ class _Fit:
 
     def predict(self, x: Sequence[float], default: float) -> float:
         """The time at ``x``; before any observation, the prior with ``a = default``."""
-        if not self.xtx[0][0] > 0:
+        if not self.known:
             return default * _dot((1.0, *self.rel), x)
         return _dot(self.coef(), x)
 

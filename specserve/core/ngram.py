@@ -5,7 +5,7 @@ down to ``min_n``) and propose the tokens that followed it.
 
 A request's context only grows between rounds, and spec=auto searches it every round, on
 the router's event loop, before the round's proposer call: a scan of the whole context
-(numpy, four n's) took ~130 us at 600 tokens and grew with the context. ``NgramIndex``
+(numpy, four n's) took ~90 us at 600 tokens and grew with the context. ``NgramIndex``
 keeps, per n, the last start of every n-gram seen, so a search costs the new tokens since
 the last one (a dict update each) and one lookup per n.
 """
