@@ -28,12 +28,12 @@ from specserve.rounds import Plan, RoundOutcome
 K, ROWS = 4, 16
 
 
-def _outcome(plan: Plan, accepted: int) -> RoundOutcome:
-    """One row's round in a batch of ``ROWS`` every row of which took ``plan``."""
+def _outcome(plan: Plan, accepted: int, rows: int) -> RoundOutcome:
+    """One row's round in a batch of ``rows`` every row of which took ``plan``."""
     drafts = list(range(plan.k))
-    verify_s = 0.02 + 0.002 * ROWS + 0.0005 * ROWS * plan.k
-    verdict = VerifyOutcome(accepted, 1, accepted == plan.k, batch_size=ROWS,
-                            call=CallInfo(compute_s=verify_s), batch_tokens=ROWS * (1 + plan.k))
+    verify_s = 0.02 + 0.002 * rows + 0.0005 * rows * plan.k
+    verdict = VerifyOutcome(accepted, 1, accepted == plan.k, batch_size=rows,
+                            call=CallInfo(compute_s=verify_s), batch_tokens=rows * (1 + plan.k))
     decision = CommitDecision(10, plan.k, accepted, (*drafts[:accepted], 1),
                               accepted == plan.k, plan.k - accepted)
     return RoundOutcome(1, plan.k, ProposeOutcome(drafts, None, call=CallInfo(
@@ -42,25 +42,24 @@ def _outcome(plan: Plan, accepted: int) -> RoundOutcome:
 
 
 def main() -> None:
-    global ROWS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--number", type=int, default=20000, help="calls per timing")
     ap.add_argument("--rows", type=int, default=ROWS, help="rows of the batch")
     ap.add_argument("--context", type=int, default=64, help="each row's tokens")
     args = ap.parse_args()
-    ROWS = args.rows
+    n_rows = args.rows
     cost = CostModel()
-    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(ROWS)]
+    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(n_rows)]
     prompt = [100 + (i * 7919) % 97 for i in range(args.context)]  # repeats every 97
     states = [new_state(GenerationRequest(prompt_ids=prompt, max_tokens=1024, k=K), prompt, 4096,
-                        None, ("", ""), f"r{i}") for i in range(ROWS)]
+                        None, ("", ""), f"r{i}") for i in range(n_rows)]
     plans = [Plan(None, 0, "goodput"), *(Plan(p, k, "goodput") for p in ("draft", "ngram")
                                           for k in range(1, K + 1))]
     for plan in plans:  # every plan measured at this load, in steady rounds
         for _ in range(40):
             for policy, st in zip(rows, states, strict=True):
-                policy.observe(st, _outcome(plan, min(plan.k, 1)))
-    o = _outcome(Plan("draft", 2, "goodput"), 1)
+                policy.observe(st, _outcome(plan, min(plan.k, 1), n_rows))
+    o = _outcome(Plan("draft", 2, "goodput"), 1, n_rows)
 
     def batch_round() -> None:  # every row observes its last round and chooses its next
         for policy, st in zip(rows, states, strict=True):
@@ -71,10 +70,10 @@ def main() -> None:
             policy.choose(st)
 
     policy, st = rows[0], states[0]
-    n = max(1, args.number // ROWS)
-    row_round = min(timeit.repeat(batch_round, number=n, repeat=5)) / (n * ROWS)
+    n = max(1, args.number // n_rows)
+    row_round = min(timeit.repeat(batch_round, number=n, repeat=5)) / (n * n_rows)
     observe = min(timeit.repeat(lambda: policy.observe(st, o), number=args.number, repeat=5))
-    print(json.dumps({"rows": ROWS, "measured_plans": len(getattr(cost, "measured", {})),
+    print(json.dumps({"rows": n_rows, "measured_plans": len(getattr(cost, "measured", {})),
                       "choose_us": round(1e6 * row_round - 1e6 * observe / args.number, 1),
                       "observe_us": round(1e6 * observe / args.number, 1),
                       "row_round_us": round(1e6 * row_round, 1)}))

@@ -590,9 +590,8 @@ class CostModel:
 
     def draft_step_s(self, rows: float) -> float:
         """One draft token for ``rows`` rows in one drafter step."""
-        if self.draft.known:
-            return self.draft.predict((rows,), 0.0)
-        return self.draft.predict((rows,), self.draft_rel_cost * self.verify_s(1, 1))
+        default = 0.0 if self.draft.known else self.draft_rel_cost * self.verify_s(1, 1)
+        return self.draft.predict((rows,), default)  # (the default only prices a cold fit)
 
     def snapshot(self) -> dict:
         """What the model believes now, in milliseconds (``router_stats``)."""
