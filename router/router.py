@@ -331,6 +331,7 @@ class Router:
             raise Overloaded(f"router at capacity ({self.cfg.max_concurrent} requests)")
         call = call or Call()
         self.active += 1
+        self.cost.admitted(self.active)
         try:
             delivery = Delivery(call.resume)
             async with contextlib.aclosing(self._generate(  # closed here, not by the GC
@@ -341,6 +342,7 @@ class Router:
                         yield out
         finally:
             self.active -= 1
+            self.cost.admitted(self.active)
 
     def count_error(self, err: BaseException) -> None:
         """A failed request, by status code (every ingress calls this once per failure)."""

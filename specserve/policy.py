@@ -382,6 +382,7 @@ class CostModel:
     # knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th and its lookup plans)
     lookup_match: float = PRIOR_MATCH
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
+    active: int = 0  # the router's own requests in flight (``admitted``)
     load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     load_since: int = 0  # ``rounds`` when ``load`` last moved to another grid point (``_bucket``)
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
@@ -419,6 +420,23 @@ class CostModel:
         for p, acc in self.pooled.items():
             if self.rounds - self.pooled_at.get(p, 0) > self.rows:
                 acc.relax(PRIOR_ACCEPTANCE[p], w)
+
+    def admitted(self, active: int) -> None:
+        """The router's own requests in flight, told on every arrival and departure: a
+        floor on the rows a plan is scored for. Those come from the verify replies
+        (``rows``) and their smoothed ``load``, which learn of a burst of arrivals a round
+        later and several rounds later. A burst into an idle router had every arrival
+        choose its first round alone (the draft model's k = 3-4 for some, the lookup's
+        k = 4 for others: their drafter prefills ahead of the target's, the burst's first
+        wave 1.5-1.8 s where the lookup's took 0.3-0.5) and the batch decide its next
+        rounds at the load of the rows before, on plans measured there. The replies still
+        set both between arrivals, and bring them down as requests leave."""
+        self.active = active
+        if active > self.load:
+            if _bucket(active) != _bucket(self.load):
+                self.load_since = self.rounds
+            self.load = float(active)
+        self.rows = max(self.rows, active)
 
     def saw_lookup(self, matched: bool) -> None:
         self.lookup_match = _ema(self.lookup_match, float(matched), 0.05)
@@ -789,8 +807,9 @@ class GoodputPolicy:
         c = self.cost
         key = (self.has_drafter, self.k_max)
         at, rows, plan = c.decided.get(key, (0, 0, None))
-        if plan is None or c.rounds - at >= rows:
-            rows = max(1, round(c.load))  # the rows it shares, not the last step's cohort
+        now = max(1, round(c.load))  # the rows it shares, not the last step's cohort
+        if plan is None or c.rounds - at >= rows or _bucket(now) != _bucket(rows):
+            rows = now
             plan = self._decide(rows - 1)
             c.decided[key] = (c.rounds, rows, plan)
         if plan.k > k_cap:

@@ -334,6 +334,33 @@ def test_a_batchs_plan_does_not_follow_one_small_cohort():
     assert cost.rows == 2 and (after.proposer, after.k) == (steady.proposer, steady.k)
 
 
+def test_a_burst_of_arrivals_is_a_batch_from_its_first_round():
+    """The router tells the cost model its requests in flight (``admitted``): a burst into
+    an idle router is a batch before any verify reply says so. Its rows take the batch's
+    plan from their first round, decided at the burst's rows, not each its own plan alone
+    at the load of the rows before (the replies learn of the burst a round later, their
+    smoothed load several rounds later)."""
+    cost = seeded(0.006)
+    quiet = GoodputPolicy(cost, K, has_drafter=True)
+    st = state(REPEATS)
+    cost.admitted(1)
+    for _ in range(20):  # a quiet spell: one row alone, drafting
+        plan = quiet.choose(st)
+        quiet.observe(st, outcome(plan, min(plan.k, 3)))
+    assert not quiet.batched and plan.k > 0 and cost.rows == 1 and cost.load < 1.5
+    cost.admitted(0)
+    burst = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(16)]
+    for i in range(1, 17):
+        cost.admitted(i)
+    plans = [policy.choose(state(REPEATS)) for policy in burst]
+    assert all(policy.batched for policy in burst) and len(set(plans)) == 1
+    assert cost.load == 16 and cost.decided[(True, K)][1] == 16
+    # nothing was measured near 16 rows: the batch starts at spec-off and climbs
+    assert plans[0].k == 0 and plans[0].reason == "climb"
+    cost.admitted(15)  # a departure: the replies bring the load down, not the count
+    assert cost.load == 16
+
+
 def test_a_lookups_call_cost_is_not_its_wait_behind_draft_steps():
     """The drafter answers prompt lookups too; a lookup asked while other rows draft waits
     behind their draft steps, which a batch that shares the lookup does not have, so that
