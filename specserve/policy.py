@@ -17,7 +17,8 @@ online to the replies' compute times, seeded by the replicas' start-up profiles)
 propose(R, k): the proposer's call, for the draft model k drafter steps over the batch's
 drafting rows (c + d_row rows per step, likewise fitted and seeded), for prompt lookup its
 call alone; R: the rows of the verify replies' batches plus the target's queue, smoothed
-over the batch's last rounds (``CostModel.load``). A plan that has run lately at this load
+over the batch's last rounds, and never below the router's own requests in flight
+(``CostModel.load``, ``admitted``). A plan that has run lately at this load
 (on a grid: exact up to 4 rows, 25 % apart above) has its own measured round time, and that
 replaces time(k): the linear model misprices some plans (a draft's verify cost grows with
 the context; where the drafter and the target share CPUs, drafting slows the target's
@@ -425,12 +426,11 @@ class CostModel:
         """The router's own requests in flight, told on every arrival and departure: a
         floor on the rows a plan is scored for. Those come from the verify replies
         (``rows``) and their smoothed ``load``, which learn of a burst of arrivals a round
-        later and several rounds later. A burst into an idle router had every arrival
-        choose its first round alone (the draft model's k = 3-4 for some, the lookup's
-        k = 4 for others: their drafter prefills ahead of the target's, the burst's first
-        wave 1.5-1.8 s where the lookup's took 0.3-0.5) and the batch decide its next
-        rounds at the load of the rows before, on plans measured there. The replies still
-        set both between arrivals, and bring them down as requests leave."""
+        later and several rounds later: every arrival of a burst into a quiet router chose
+        its first round alone (the draft model's k = 3-4 for some, the lookup's k = 4 for
+        others), and the batch decided its next rounds at the load of the rows before, on
+        the plans measured there (docs/benchmarks.md, "Another machine"). Departures change
+        nothing: the replies bring the load down."""
         self.active = active
         if active > self.load:
             if _bucket(active) != _bucket(self.load):
@@ -799,11 +799,12 @@ class GoodputPolicy:
         batch hopped among lookup k's every few seconds, a third of its rows' rounds
         changing plan); a plan priced by the model has none, so it is tried on its word.
 
-        Decided once a batch round, by the first of its rows to ask, and taken by the
-        others (capped by their budgets): every row would score the same plans on the same
-        state, and the router runs its rows' policies on one event loop, where each row's
-        scoring (nine plans, 80-130 us) delayed every other row's call to the proposer,
-        whose step waits for its cohort: 1-2 ms a batch round at c=8-24 (docs/benchmarks.md)."""
+        Decided once a batch round (and again when the load moves to another grid point),
+        by the first of its rows to ask, and taken by the others (capped by their budgets):
+        every row would score the same plans on the same state, and the router runs its
+        rows' policies on one event loop, where each row's scoring (nine plans, 80-130 us)
+        delayed every other row's call to the proposer, whose step waits for its cohort:
+        1-2 ms a batch round at c=8-24 (docs/benchmarks.md)."""
         c = self.cost
         key = (self.has_drafter, self.k_max)
         at, rows, plan = c.decided.get(key, (0, 0, None))
