@@ -357,8 +357,12 @@ def test_a_burst_of_arrivals_is_a_batch_from_its_first_round():
     assert cost.load == 16 and cost.decided[(True, K)][1] == 16
     # nothing was measured near 16 rows: the batch starts at spec-off and climbs
     assert plans[0].k == 0 and plans[0].reason == "climb"
-    cost.admitted(15)  # a departure: the replies bring the load down, not the count
-    assert cost.load == 16
+    for i in range(17, 25):  # more arrive within the same batch round: decided again
+        cost.admitted(i)
+    GoodputPolicy(cost, K, has_drafter=True).choose(state(REPEATS))
+    assert cost.decided[(True, K)][1] == 24
+    cost.admitted(23)  # a departure: the replies bring the load down, not the count
+    assert cost.load == 24
 
 
 def test_a_lookups_call_cost_is_not_its_wait_behind_draft_steps():
