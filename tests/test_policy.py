@@ -365,6 +365,34 @@ def test_a_burst_of_arrivals_is_a_batch_from_its_first_round():
     assert cost.load == 24
 
 
+def test_a_batch_scores_its_lookup_by_how_far_the_matches_reach():
+    """A batch's rows search their prompt lookup blind (``in_batch``): a row with a match
+    proposes as many drafts as its match has, up to k, so lookup k = 4 where the matches
+    are two tokens long is lookup k = 2, in the tokens it commits and in the drafts the
+    target verifies. Scored as k drafts a match, on prose (54 % of ngram_k4's rounds
+    proposed 2) the batch believed 3.6-4.5 tokens a round of lookup k = 4 where its rounds
+    made 2.3-2.7. A row alone knows its own match and is scored on it."""
+    cost = seeded(0.006)
+    policy = GoodputPolicy(cost, K, has_drafter=True)
+
+    def lookup(k: int, match: float | None = 0.8) -> Plan:
+        return policy.score("ngram", k, 7, cost.pooled, match)[1]
+
+    assert lookup(4).expected > lookup(2).expected  # nothing seen: a match reaches k
+    for _ in range(300):  # every search (for up to K tokens) found two to repeat
+        cost.saw_lookup(True, 2, K)
+    for _ in range(300):
+        cost.saw_lookup(False, 0, K)  # and some found none: no length to learn from
+    assert cost.match_len[:2] == [1.0, 1.0] and max(cost.match_len[2:K]) < 0.01
+    four, two = lookup(4, cost.lookup_match), lookup(2, cost.lookup_match)
+    assert four.expected == pytest.approx(two.expected, rel=1e-3)
+    assert four.cost_s == pytest.approx(two.cost_s, rel=1e-3)
+    assert lookup(4, None).expected > lookup(2, None).expected  # a row's own 4-long match
+    for _ in range(300):  # a search for k = 2 says nothing of positions 3 and up
+        cost.saw_lookup(True, 2, 2)
+    assert max(cost.match_len[2:K]) < 0.01
+
+
 def test_a_lookups_call_cost_is_not_its_wait_behind_draft_steps():
     """The drafter answers prompt lookups too; a lookup asked while other rows draft waits
     behind their draft steps, which a batch that shares the lookup does not have, so that
