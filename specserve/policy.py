@@ -388,7 +388,7 @@ class CostModel:
     # reach it (as far as each search's k saw); position 0 is every match's. A batch's
     # lookup plan with k drafts proposes only as many as a row's match has: on prose 54 %
     # of ngram_k4's rounds proposed 2, and scored as k drafts a match the batch believed
-    # 3.6-4.5 tokens a round of lookup k = 4 where its rounds made 2.3-2.7
+    # 3.6-4.5 tokens a round of lookup k = 4 where its rounds made 1.0-2.7
     match_len: list[float] = field(default_factory=lambda: [1.0] * MAX_K)
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     active: int = 0  # the router's own requests in flight (``admitted``)

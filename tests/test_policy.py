@@ -371,7 +371,7 @@ def test_a_batch_scores_its_lookup_by_how_far_the_matches_reach():
     are two tokens long is lookup k = 2, in the tokens it commits and in the drafts the
     target verifies. Scored as k drafts a match, on prose (54 % of ngram_k4's rounds
     proposed 2) the batch believed 3.6-4.5 tokens a round of lookup k = 4 where its rounds
-    made 2.3-2.7. A row alone knows its own match and is scored on it."""
+    made 1.0-2.7. A row alone knows its own match and is scored on it."""
     cost = seeded(0.006)
     policy = GoodputPolicy(cost, K, has_drafter=True)
 
