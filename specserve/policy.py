@@ -441,10 +441,14 @@ class CostModel:
         nothing: the replies bring the load down."""
         self.active = active
         if active > self.load:
-            if _bucket(active) != _bucket(self.load):
-                self.load_since = self.rounds
-            self.load = float(active)
+            self._move_load(float(active))
         self.rows = max(self.rows, active)
+
+    def _move_load(self, load: float) -> None:
+        """Set ``load``, noting when it moves to another grid point (``load_since``)."""
+        if _bucket(load) != _bucket(self.load):
+            self.load_since = self.rounds
+        self.load = load
 
     def saw_lookup(self, matched: bool, length: int = 0, k: int = 0) -> None:
         """A prompt lookup searched for up to ``k`` tokens, and the ``length`` it found."""
@@ -695,10 +699,7 @@ class CostModel:
         if v.batch_size > 0:
             self.rows = v.batch_size + v.queue_rows
             # every row of a batch reports it: about LOAD_STEP a batch round whatever its size
-            load = _ema(self.load, self.rows, LOAD_STEP / self.rows)
-            if _bucket(load) != _bucket(self.load):
-                self.load_since = self.rounds
-            self.load = load
+            self._move_load(_ema(self.load, self.rows, LOAD_STEP / self.rows))
             self.rounds += 1
             self.relax()
 
