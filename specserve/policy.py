@@ -142,14 +142,12 @@ class Acceptance:
         back to ``prior`` (``CostModel.relax``)."""
         self.alpha = [a + w * (prior - a) for a in self.alpha]
 
-    def expected(self, k: int, reach: Sequence[float] | None = None) -> float:
-        """Expected committed tokens of a round with k drafts (accepted + the extra one);
-        ``reach``: the probability that draft position i is proposed at all (a prompt
-        lookup's match may be shorter than k; ``CostModel.match_len``), else 1."""
+    def expected(self, k: int) -> float:
+        """Expected committed tokens of a round with k drafts (accepted + the extra one)."""
         total, run = 1.0, 1.0
-        for i, a in enumerate(self.alpha[:k]):
+        for a in self.alpha[:k]:
             run *= a
-            total += run * (reach[i] if reach is not None else 1.0)
+            total += run
         return total
 
 
@@ -374,7 +372,14 @@ class CostModel:
     # acceptance, so it drafts with the model where the lookup found nothing to repeat, the
     # harder text: its rounds had the pooled draft acceptance at 0.47 where the fixed
     # draft model's rounds implied ~0.63, and batches seldom tried the draft model
-    # (greedy rows only: a sampled row's acceptance, min(1, p/q), is another quantity)
+    # (greedy rows only: a sampled row's acceptance, min(1, p/q), is another quantity).
+    # Prompt lookup's is scored blind (a batch's rows do not search before the plan), so
+    # its position i is P(the match reaches i and it is accepted | positions before were):
+    # a match that ended before what was searched for, all of it accepted, counts as a
+    # rejection at its next position (``lookup_ended``). Acceptance given the draft and a
+    # separate share of matches reaching i assumed the two independent; short matches
+    # (the text repeats with a short period) are accepted more than long ones, and that
+    # read lookup k = 3-4 2-3 % too good on mixed (docs/benchmarks.md, "A lookup's match")
     pooled: dict[str, Acceptance] = field(default_factory=lambda: {
         p: Acceptance([PRIOR_ACCEPTANCE[p]] * MAX_K, POOLED_STEP) for p in PROPOSERS})
     # A pooled estimate not observed for a while goes back towards its prior, so that a
@@ -386,9 +391,8 @@ class CostModel:
     lookup_match: float = PRIOR_MATCH
     # the same searches' match lengths: per draft position j, the share of matches that
     # reach it (as far as each search's k saw); position 0 is every match's. A batch's
-    # lookup plan with k drafts proposes only as many as a row's match has: on prose 54 %
-    # of ngram_k4's rounds proposed 2, and scored as k drafts a match the batch believed
-    # 3.6-4.5 tokens a round of lookup k = 4 where its rounds made 1.0-2.7
+    # lookup plan with k drafts proposes only as many as a row's match has: the drafts the
+    # target verifies (on prose 54 % of ngram_k4's rounds proposed 2)
     match_len: list[float] = field(default_factory=lambda: [1.0] * MAX_K)
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     active: int = 0  # the router's own requests in flight (``admitted``)
@@ -415,6 +419,13 @@ class CostModel:
     def observe_pooled_at(self, proposer: str, i: int, accepted: bool) -> None:
         self.pooled[proposer].observe_at(i, accepted)
         self.pooled_at[proposer] = self.rounds
+
+    def lookup_ended(self, drafted: int, accepted: int, searched: int) -> None:
+        """A prompt lookup's match of ``drafted`` tokens, searched for ``searched``: if it
+        ended short of that, all of it accepted, the next position had no draft, a rejection
+        for the pooled estimate of a blind match (``pooled``)."""
+        if 0 < drafted == accepted < searched:
+            self.observe_pooled_at("ngram", drafted, False)
 
     def relax(self) -> None:
         """Move each pooled estimate not observed in the batch's last round back towards its
@@ -723,6 +734,7 @@ class GoodputPolicy:
         self.blind_lookup = False  # this round's plan is the batch's prompt lookup
         self.batched = False  # this round's plan is the batch's (``in_batch``)
         self.shadow: list[int] | None = None  # this round's lookup match, when searched
+        self.searched = 0  # for how many tokens it was searched (the round's k cap)
         self.last_plan: tuple[str | None, int] | None = None  # the round before's
 
     def candidates(self, state: RequestState, k_cap: int) -> list[tuple[str, int]]:
@@ -730,6 +742,7 @@ class GoodputPolicy:
         if self.has_drafter:
             out += [("draft", k) for k in range(1, k_cap + 1)]
         match = self.shadow = self.lookup.propose(state.committed, k_cap)
+        self.searched = k_cap
         self.cost.saw_lookup(bool(match), len(match), k_cap)
         out += [("ngram", k) for k in range(1, len(match) + 1)]
         return out
@@ -742,15 +755,16 @@ class GoodputPolicy:
         this request's) and the round's time (one drafter step for the rows drafting
         together, one target forward). A prompt lookup's ``match``: None, this row's own
         match, at least k long (``candidates``); else the batch's, searched blind: found
-        with probability ``match``, reaching each draft position as the router's searches
-        did (``CostModel.match_len``), in its expected tokens and its drafts."""
+        with probability ``match``, its tokens by the pooled estimate of a blind match
+        (each position reached and accepted: ``CostModel.pooled``), its drafts as far as
+        the router's searches' matches reach (``CostModel.match_len``)."""
         c, rows = self.cost, others + 1
         if proposer is None:
             e, drafts = 1.0, 0.0
         else:
             blind = proposer == "ngram" and match is not None
-            m, reach = (match, c.match_len) if blind else (1.0, None)
-            e = 1.0 + m * ((acceptance or self.acceptance)[proposer].expected(k, reach) - 1.0)
+            m = match if blind and match is not None else 1.0
+            e = 1.0 + m * ((acceptance or self.acceptance)[proposer].expected(k) - 1.0)
             drafts = m * (sum(c.match_len[:k]) if blind else k)
         t = c.round_s(proposer if k else None, k, rows, c.overhead_s + c.propose_s(
             proposer, k, rows) + c.verify_s(rows, rows * (1 + drafts)))
@@ -778,7 +792,7 @@ class GoodputPolicy:
         if self.cost.rows > 1:
             self.batch_rounds += 1
             if self.batch_rounds % LOOKUP_EVERY == 0:
-                self.shadow = self.lookup.propose(state.committed, k_cap)
+                self.shadow, self.searched = self.lookup.propose(state.committed, k_cap), k_cap
                 self.cost.saw_lookup(bool(self.shadow), len(self.shadow), k_cap)
             self.batched = True
             return self.in_batch(k_cap)
@@ -982,10 +996,14 @@ class GoodputPolicy:
             drafted, accepted = shadow_acceptance(self.shadow, o.tokens)
             self.acceptance["ngram"].observe(drafted, accepted)
             self.cost.observe_pooled("ngram", drafted, accepted)
+            self.cost.lookup_ended(drafted, accepted, self._searched(drafted))
         if p is not None and o.drafted:
             self.acceptance[p].observe(o.drafted, o.decision.num_accepted)
             if self.batched or p == "ngram":  # see ``CostModel.pooled``
                 self.cost.observe_pooled(p, o.drafted, o.decision.num_accepted)
+            if p == "ngram":
+                self.cost.lookup_ended(o.drafted, o.decision.num_accepted, o.plan.k
+                                       if self.blind_lookup else self._searched(o.drafted))
             if p == "ngram" and self.shadow and (past := lookup_past_k(
                     self.shadow, o.proposal.draft_tokens, o.tokens)) is not None:
                 self.acceptance["ngram"].observe_at(o.drafted, past)
@@ -994,6 +1012,12 @@ class GoodputPolicy:
             for i in range(min(o.drafted, o.decision.num_accepted + 1, self.k_max)):
                 tried[i] += 1
                 acc[i] += int(i < o.decision.num_accepted)
+
+
+    def _searched(self, length: int) -> int:
+        """For how many tokens this round's search found a match of ``length`` tokens (its
+        whole match: else a prefix of it, proposed or seen, says nothing of its end)."""
+        return self.searched if self.shadow is not None and len(self.shadow) == length else 0
 
 
 def decoding(batch_fed: int, batch_tokens: int) -> bool:

@@ -365,6 +365,15 @@ def test_a_burst_of_arrivals_is_a_batch_from_its_first_round():
     assert cost.load == 24
 
 
+def blind_round(policy: GoodputPolicy, k: int, found: int, accepted: int) -> None:
+    """A batch's round of lookup k, searched blind (``in_batch``): the row's match had
+    ``found`` tokens (up to k), ``accepted`` of them were (a first round: its time is not
+    measured as the plan's)."""
+    policy.blind_lookup, policy.shadow = True, None
+    o = outcome(Plan("ngram", found, "goodput"), accepted, batch_size=8)
+    policy.observe(state(), replace(o, plan=Plan("ngram", k, "goodput"), round_no=0))
+
+
 def test_a_batch_scores_its_lookup_by_how_far_the_matches_reach():
     """A batch's rows search their prompt lookup blind (``in_batch``): a row with a match
     proposes as many drafts as its match has, up to k, so lookup k = 4 where the matches
@@ -379,10 +388,9 @@ def test_a_batch_scores_its_lookup_by_how_far_the_matches_reach():
         return policy.score("ngram", k, 7, cost.pooled, match)[1]
 
     assert lookup(4).expected > lookup(2).expected  # nothing seen: a match reaches k
-    for _ in range(300):  # every search (for up to K tokens) found two to repeat
-        cost.saw_lookup(True, 2, K)
-    for _ in range(300):
-        cost.saw_lookup(False, 0, K)  # and some found none: no length to learn from
+    for _ in range(300):  # every match was two tokens long, both accepted
+        blind_round(policy, K, 2, 2)
+        cost.saw_lookup(False, 0, K)  # and some searches found none
     assert cost.match_len[:2] == [1.0, 1.0] and max(cost.match_len[2:K]) < 0.01
     four, two = lookup(4, cost.lookup_match), lookup(2, cost.lookup_match)
     assert four.expected == pytest.approx(two.expected, rel=1e-3)
@@ -390,7 +398,28 @@ def test_a_batch_scores_its_lookup_by_how_far_the_matches_reach():
     assert lookup(4, None).expected > lookup(2, None).expected  # a row's own 4-long match
     for _ in range(300):  # a search for k = 2 says nothing of positions 3 and up
         cost.saw_lookup(True, 2, 2)
+        blind_round(policy, 2, 2, 2)
     assert max(cost.match_len[2:K]) < 0.01
+
+
+def test_a_batch_lookups_tokens_are_not_its_reach_times_its_acceptance():
+    """Whether a blind match reaches a position and whether it is accepted there are not
+    independent: where the text repeats with a short period the matches are short and
+    accepted, and long ones are accepted less. So the pooled estimate of a blind match
+    is, per position, P(reached and accepted | the positions before were): a match that
+    ended, all of it accepted, is a rejection at its next position. Here half the matches
+    are two tokens, both accepted, half are four, their first rejected: lookup k = 4
+    commits 1 + (0.5 * 2 + 0.5 * 0) = 2 tokens a round. The acceptance of the drafts that
+    were proposed (0.5, then 1) weighted by the share of matches reaching each position
+    (1, 1, 0.5, 0.5) said 2.16."""
+    cost = seeded(0.006)
+    policy = GoodputPolicy(cost, K, has_drafter=True)
+    for _ in range(300):
+        blind_round(policy, K, 2, 2)
+        blind_round(policy, K, 4, 0)
+    four = policy.score("ngram", K, 7, cost.pooled, cost.lookup_match)[1]
+    assert cost.lookup_match == pytest.approx(1.0) and cost.match_len[2] > 0.45
+    assert four.expected == pytest.approx(2.0, abs=0.04)
 
 
 def test_a_lookups_call_cost_is_not_its_wait_behind_draft_steps():
