@@ -915,14 +915,19 @@ class GoodputPolicy:
         trying at each one put 12-30 % of auto's rounds in tries (against 0-4 %) and
         measured worse (docs/benchmarks.md).
 
-        Likewise the other proposer's plan at the running k, if never measured near this
-        load (and scored within ``TRY_FLOOR``), is tried as soon as the running plan is
-        measured there and the load has held: the batch climbs from spec-off along one
-        proposer (a cold one, the draft model, whose prior is the higher), and the other
-        one's first rung, priced by the model against a measured plan that carries its
-        noise in the margin, was not reached: a cold batch at c=4 stayed on the draft model
-        where the lookup made 10-20 % more, unless its first decisions, taken while its
-        load still climbed from a burst's tail of 1-2 rows, had run the lookup.
+        Likewise the other proposer's plan at the running k, if none of that proposer's
+        plans was measured near this load (and scored within ``TRY_FLOOR``), is tried as
+        soon as the running plan is measured there and the load has held: the batch climbs
+        from spec-off along one proposer (a cold one, the draft model, whose prior is the
+        higher), and the other one's first rung, priced by the model against a measured
+        plan that carries its noise in the margin, was not reached: a cold batch at c=4
+        stayed on the draft model where the lookup made 10-20 % more, unless its first
+        decisions, taken while its load still climbed from a burst's tail of 1-2 rows, had
+        run the lookup. Once one of its plans was measured near the load, its ratio to the
+        model prices the others (``CostModel._correction``): tried at every k the batch
+        climbed to, on prose at c=8-24 the draft model's tries were 14-15 % of auto's
+        rounds, each a drafter catch-up of every row (rounds of 160-200 ms against the
+        lookup's 70-100; docs/benchmarks.md, "A lookup's match").
 
         And a plan the batch left on a stretch of its rounds (a burst of arrivals), one it
         would have kept at its usual measured time, is measured again ``TRY_AFTER`` batch
@@ -946,13 +951,15 @@ class GoodputPolicy:
         # a load held lately, the running plan measured there (cheapest tests first)
         held = c.rounds > c.plan_since and c.rounds - c.load_since > TRY_HELD * rows \
             and c.fresh_at(*current, rows) is not None
-        across = ("ngram" if current[0] == "draft" else "draft", current[1])
+        other = "ngram" if current[0] == "draft" else "draft"
+        across = (other, current[1])
 
         def worth(plan: tuple[str | None, int]) -> bool:  # scored within TRY_FLOOR
             return plan in scores and scores[plan][0] >= TRY_FLOOR * scores[current][0]
 
-        if held and worth(across) and not c.seen_near(*across, rows):
-            tried = across  # the other proposer, never measured near this load
+        if held and worth(across) and not any(c.seen_near(other, j, rows)
+                                              for j in range(1, self.k_max + 1)):
+            tried = across  # the other proposer, none of its plans measured near this load
         elif c.rounds - c.plan_since > TRY_AFTER * rows or (
                 # a plan never measured near a load held lately, below one measured there
                 held and not c.seen_near(*down, rows)):

@@ -1197,6 +1197,38 @@ def test_a_batch_tries_the_other_proposer_never_measured_near_a_held_load():
         assert all(p.proposer == "draft" for p in run(seed, 0.0))
 
 
+def test_a_batch_tries_the_other_proposer_at_a_load_not_at_every_k():
+    """Once one of the other proposer's plans was measured near the load, the batch does not
+    try that proposer again at each k it climbs to: the measured plan's ratio to the model
+    prices the others (``CostModel._correction``). Tried at every k, on prose at c=8-24 the
+    draft model's tries were 14-15 % of auto's rounds, each a drafter catch-up of every row.
+    Here the draft model's k = 2 was measured at this load at 50 ms a round, as the
+    lookup's k = 3 takes, with the same acceptance: a batch on lookup k = 3 does not try
+    the draft model's k = 3 (whose rounds would take 70 ms)."""
+    import specserve.policy as pol
+
+    cost = seeded(0.0002)
+    cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("ngram", 3)
+    cost.lookup_match = 0.9
+    for p in ("draft", "ngram"):
+        cost.pooled[p].alpha = [0.7] * len(cost.pooled[p].alpha)
+    for _ in range(3 * 4):  # the draft model's k = 2, three batch rounds at this load
+        cost.observe(replace(outcome(Plan("draft", 2, "goodput"), 1, batch_size=4,
+                                     others_drafts=6), round_s=0.05))
+    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
+    sts = [state() for _ in rows]
+    plans = []
+    for _ in range(2 * pol.TRY_AFTER):  # batch rounds
+        for policy, st in zip(rows, sts, strict=True):
+            plan = policy.choose(st)
+            took = 0.05 if plan.proposer == "ngram" else 0.07
+            o = outcome(plan, min(plan.k, 2), batch_size=4, others_drafts=3 * plan.k)
+            policy.observe(st, replace(o, round_s=took))
+        plans.append(plan)
+    assert sum(p.proposer == "ngram" for p in plans) >= len(plans) - 1
+    assert not any(p.proposer == "draft" and p.reason == "explore" for p in plans)
+
+
 def test_a_plan_left_in_a_burst_is_measured_again_and_taken_back():
     """A burst of arrivals (their prefills in the target's and the drafter's steps) puts a
     batch's rounds at 2-5x for a second or two, and a plan's measured time (the mean of its
