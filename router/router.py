@@ -332,15 +332,21 @@ class Router:
         call = call or Call()
         self.active += 1
         self.cost.admitted(self.active)
+        started = False  # its first round done (the cost model's ``arriving``)
         try:
             delivery = Delivery(call.resume)
             async with contextlib.aclosing(self._generate(  # closed here, not by the GC
                     req, request_id or uuid.uuid4().hex, parent, call)) as chunks:
                 async for chunk in chunks:
+                    if not started:
+                        started = True
+                        self.cost.started()
                     out = delivery.cut(chunk)
                     if out is not None:
                         yield out
         finally:
+            if not started:
+                self.cost.started()
             self.active -= 1
             self.cost.admitted(self.active)
 

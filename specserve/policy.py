@@ -396,6 +396,7 @@ class CostModel:
     match_len: list[float] = field(default_factory=lambda: [1.0] * MAX_K)
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     active: int = 0  # the router's own requests in flight (``admitted``)
+    arriving: int = 0  # those of them that have not had their first round (``started``)
     load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     load_since: int = 0  # ``rounds`` when ``load`` last moved to another grid point (``_bucket``)
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
@@ -450,10 +451,21 @@ class CostModel:
         others), and the batch decided its next rounds at the load of the rows before, on
         the plans measured there (docs/benchmarks.md, "Another machine"). Departures change
         nothing: the replies bring the load down."""
+        self.arriving = min(self.arriving + max(0, active - self.active), active)
         self.active = active
         if active > self.load:
             self._move_load(float(active))
         self.rows = max(self.rows, active)
+
+    def started(self) -> None:
+        """One of the router's requests had its first round (or left before it)."""
+        self.arriving = max(0, self.arriving - 1)
+
+    def burst(self) -> bool:
+        """Whether the target's steps now carry a burst's prefills: more of the router's
+        requests wait for their first round than a steady stream has at once (one, or a
+        quarter of the rows: requests that finish together are replaced together)."""
+        return self.arriving > max(1, self.rows // 4)
 
     def _move_load(self, load: float) -> None:
         """Set ``load``, noting when it moves to another grid point (``load_since``)."""
@@ -617,9 +629,14 @@ class CostModel:
         and a plan priced too dear is not tried again until it expires. A round whose
         target step had another request's prefill in it is: arrivals come with finished
         requests, so a plan that commits more tokens a round has more of them a round
-        (left out, they read speculation up to 30 % too good at concurrency 2-16)."""
+        (left out, they read speculation up to 30 % too good at concurrency 2-16). But not
+        while a burst of arrivals waits for its first rounds (``burst``): their prefills
+        stall every row's steps for a second or two whatever the plan, and the plan that
+        ran then was priced out for the rest of the load (at c=16 on mixed, lookup k = 3
+        read 354 ms a round where ngram_k4's rounds took 164, and the batch ran the draft
+        model's k = 4, at 230 ms, for a third of its rounds)."""
         v = o.verdict
-        if v.batch_size <= 0 or o.round_s <= 0 or not steady \
+        if v.batch_size <= 0 or o.round_s <= 0 or not steady or self.burst() \
                 or not measurable(o.round_no, o.caught_up):
             return
         self.ticks += 1

@@ -365,6 +365,34 @@ def test_a_burst_of_arrivals_is_a_batch_from_its_first_round():
     assert cost.load == 24
 
 
+def test_a_bursts_rounds_are_not_a_plans_measured_time():
+    """While a burst of arrivals waits for its first rounds, their prefills stall every
+    row's steps whatever the plan: those rounds are not measured as the running plan's
+    time (the router tells the cost model of each request's first round: ``started``).
+    One arrival at a time, a steady stream's, is: a plan that commits more tokens a round
+    has more of them a round."""
+    cost = seeded(0.006)
+    for i in range(1, 9):
+        cost.admitted(i)
+    assert cost.burst()
+
+    def rounds(n: int) -> None:
+        for _ in range(n):
+            cost.observe(outcome(Plan("ngram", 2, "goodput"), 1, batch_size=8))
+
+    rounds(8 * 4)
+    assert not cost.measured
+    for _ in range(8):
+        cost.started()
+    rounds(8 * 2)
+    assert cost.fresh_at("ngram", 2, 8) is not None
+    cost.admitted(7)  # one leaves, another comes: a steady stream
+    cost.admitted(8)
+    assert cost.arriving == 1 and not cost.burst()
+    rounds(1)
+    assert cost.fresh_at("ngram", 2, 8).n == 8 * 2 + 1
+
+
 def blind_round(policy: GoodputPolicy, k: int, found: int, accepted: int) -> None:
     """A batch's round of lookup k, searched blind (``in_batch``): the row's match had
     ``found`` tokens (up to k), ``accepted`` of them were (a first round: its time is not
