@@ -634,10 +634,12 @@ class CostModel:
         stall every row's steps for a second or two whatever the plan, and the plan that
         ran then was priced out for the rest of the load (at c=16 on mixed, lookup k = 3
         read 354 ms a round where ngram_k4's rounds took 164, and the batch ran the draft
-        model's k = 4, at 230 ms, for a third of its rounds)."""
+        model's k = 4, at 230 ms, for a third of its rounds). A burst's rounds of decoding
+        alone are measured: where requests wait long for KV room, a burst lasts."""
         v = o.verdict
-        if v.batch_size <= 0 or o.round_s <= 0 or not steady or self.burst() \
-                or not measurable(o.round_no, o.caught_up):
+        if v.batch_size <= 0 or o.round_s <= 0 or not steady \
+                or not measurable(o.round_no, o.caught_up) \
+                or (self.burst() and not decoding(v.batch_fed, v.batch_tokens)):
             return
         self.ticks += 1
         b = _bucket(self.load)

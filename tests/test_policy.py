@@ -368,29 +368,33 @@ def test_a_burst_of_arrivals_is_a_batch_from_its_first_round():
 def test_a_bursts_rounds_are_not_a_plans_measured_time():
     """While a burst of arrivals waits for its first rounds, their prefills stall every
     row's steps whatever the plan: those rounds are not measured as the running plan's
-    time (the router tells the cost model of each request's first round: ``started``).
-    One arrival at a time, a steady stream's, is: a plan that commits more tokens a round
-    has more of them a round."""
+    time (the router tells the cost model of each request's first round: ``started``);
+    its rounds of decoding alone are. One arrival at a time, a steady stream's, is: a plan
+    that commits more tokens a round has more of them a round."""
     cost = seeded(0.006)
     for i in range(1, 9):
         cost.admitted(i)
     assert cost.burst()
 
-    def rounds(n: int) -> None:
+    def rounds(n: int, prefill: int = 300) -> None:
         for _ in range(n):
-            cost.observe(outcome(Plan("ngram", 2, "goodput"), 1, batch_size=8))
+            o = outcome(Plan("ngram", 2, "goodput"), 1, batch_size=8)
+            v = replace(o.verdict, batch_fed=o.verdict.batch_tokens + prefill)
+            cost.observe(replace(o, verdict=v))
 
     rounds(8 * 4)
     assert not cost.measured
+    rounds(3, prefill=0)  # steps of decoding alone
+    assert cost.measured[("ngram", 2, 8)].n == 3
     for _ in range(8):
         cost.started()
     rounds(8 * 2)
-    assert cost.fresh_at("ngram", 2, 8) is not None
+    assert cost.fresh_at("ngram", 2, 8).n == 3 + 8 * 2
     cost.admitted(7)  # one leaves, another comes: a steady stream
     cost.admitted(8)
     assert cost.arriving == 1 and not cost.burst()
     rounds(1)
-    assert cost.fresh_at("ngram", 2, 8).n == 8 * 2 + 1
+    assert cost.fresh_at("ngram", 2, 8).n == 3 + 8 * 2 + 1
 
 
 def blind_round(policy: GoodputPolicy, k: int, found: int, accepted: int) -> None:
