@@ -371,6 +371,8 @@ def test_a_bursts_rounds_are_not_a_plans_measured_time():
     time (the router tells the cost model of each request's first round: ``started``);
     its rounds of decoding alone are. One arrival at a time, a steady stream's, is: a plan
     that commits more tokens a round has more of them a round."""
+    from specserve.policy import _bucket
+
     cost = seeded(0.006)
     for i in range(1, 9):
         cost.admitted(i)
@@ -385,7 +387,7 @@ def test_a_bursts_rounds_are_not_a_plans_measured_time():
     rounds(8 * 4)
     assert not cost.measured
     rounds(3, prefill=0)  # steps of decoding alone
-    assert cost.measured[("ngram", 2, 8)].n == 3
+    assert cost.measured[("ngram", 2, _bucket(8))].n == 3
     for _ in range(8):
         cost.started()
     rounds(8 * 2)
