@@ -669,7 +669,7 @@ class CostModel:
                                       for p, acc in self.pooled.items()},
                 "lookup_match": round(self.lookup_match, 3),
                 "lookup_reach": [round(x, 3) for x in self.match_len], "rows": self.rows,
-                "load": round(self.load, 2),
+                "load": round(self.load, 2), "arriving": self.arriving,
                 "batch_plan": list(self.batch_plan),
                 "measured_round_ms": {f"{p or 'none'}:{k}@{rows}": round(1000 * m.seconds, 3)
                                       for (p, k, rows), m in self.measured.items()

@@ -83,6 +83,7 @@ def test_auto_is_the_default_and_exact_under_concurrency(service, greedy_refs):
     model = service.router_stats()["auto_cost_model"]
     assert model["profiled"] == 9 + 2 and model["draft_step_ms_a_row"] is not None, model
     assert isinstance(model["measured_round_ms"], dict)  # plans' own times at small batches
+    assert model["arriving"] == 0  # every request's first round was told (a burst's end)
 
 
 def test_target_batches_concurrent_rounds(service, greedy_refs):
