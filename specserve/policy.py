@@ -379,7 +379,7 @@ class CostModel:
     # rejection at its next position (``lookup_ended``). Acceptance given the draft and a
     # separate share of matches reaching i assumed the two independent; short matches
     # (the text repeats with a short period) are accepted more than long ones, and that
-    # read lookup k = 3-4 2-3 % too good on mixed (docs/benchmarks.md, "A lookup's match")
+    # read lookup k = 3-4 2-4 % too good on mixed (docs/benchmarks.md, "A third machine")
     pooled: dict[str, Acceptance] = field(default_factory=lambda: {
         p: Acceptance([PRIOR_ACCEPTANCE[p]] * MAX_K, POOLED_STEP) for p in PROPOSERS})
     # A pooled estimate not observed for a while goes back towards its prior, so that a
@@ -946,7 +946,7 @@ class GoodputPolicy:
         model prices the others (``CostModel._correction``): tried at every k the batch
         climbed to, on prose at c=8-24 the draft model's tries were 14-15 % of auto's
         rounds, each a drafter catch-up of every row (rounds of 160-200 ms against the
-        lookup's 70-100; docs/benchmarks.md, "A lookup's match").
+        lookup's 70-100; docs/benchmarks.md, "A third machine").
 
         And a plan the batch left on a stretch of its rounds (a burst of arrivals), one it
         would have kept at its usual measured time, is measured again ``TRY_AFTER`` batch
