@@ -760,11 +760,17 @@ class GoodputPolicy:
         out = []
         if self.has_drafter:
             out += [("draft", k) for k in range(1, k_cap + 1)]
+        match = self._search(state, k_cap)
+        out += [("ngram", k) for k in range(1, len(match) + 1)]
+        return out
+
+    def _search(self, state: RequestState, k_cap: int) -> list[int]:
+        """This round's prompt lookup for up to ``k_cap`` tokens, searched before the plan:
+        kept (``shadow``) and told to the cost model (its match rate and reach)."""
         match = self.shadow = self.lookup.propose(state.committed, k_cap)
         self.searched = k_cap
         self.cost.saw_lookup(bool(match), len(match), k_cap)
-        out += [("ngram", k) for k in range(1, len(match) + 1)]
-        return out
+        return match
 
     def score(self, proposer: str | None, k: int, others: int,
               acceptance: dict[str, Acceptance] | None = None,
@@ -782,7 +788,7 @@ class GoodputPolicy:
             e, drafts = 1.0, 0.0
         else:
             blind = proposer == "ngram" and match is not None
-            m = match if blind and match is not None else 1.0
+            m = match if blind and match is not None else 1.0  # (None: not blind)
             e = 1.0 + m * ((acceptance or self.acceptance)[proposer].expected(k) - 1.0)
             drafts = m * (sum(c.match_len[:k]) if blind else k)
         t = c.round_s(proposer if k else None, k, rows, c.overhead_s + c.propose_s(
@@ -811,8 +817,7 @@ class GoodputPolicy:
         if self.cost.rows > 1:
             self.batch_rounds += 1
             if self.batch_rounds % LOOKUP_EVERY == 0:
-                self.shadow, self.searched = self.lookup.propose(state.committed, k_cap), k_cap
-                self.cost.saw_lookup(bool(self.shadow), len(self.shadow), k_cap)
+                self._search(state, k_cap)
             self.batched = True
             return self.in_batch(k_cap)
         cands = self.candidates(state, k_cap)
