@@ -274,7 +274,7 @@ class _Measured:
     rse: float = 0.0  # the mean's relative standard error, a batch round as one sample
     n: int = 0
     tick: int = 0
-    ratio: float | None = None  # seconds over the model's prediction, when last fresh
+    ratio: float | None = None  # ``usual`` over the model's prediction, when last fresh
     # ``seconds`` once a batch round, the last ``LEVELS`` (``usual``)
     levels: deque[float] = field(default_factory=lambda: deque(maxlen=LEVELS))
     _sum: float = field(default=0.0, init=False)  # of ``times`` and of their squares: the
@@ -490,13 +490,17 @@ class CostModel:
         priced at its real time, and a measurement expires (the context and the load move
         on: a plan not run lately is tried again, about one batch round in
         ``MEASURED_STALE``), so the model proposes and the measurements decide. Reading a
-        fresh measurement records its ratio to the prediction, which prices the plan once
-        the measurement has expired (``_correction``)."""
+        fresh measurement records its usual time's ratio to the prediction, which prices
+        the plan once the measurement has expired (``_correction``): its usual, not its last
+        window's, for a batch leaves a plan when its last window reads dear, often a stretch
+        of prefill stalls, and that one window then priced it, and the plans of its proposer
+        with more drafts, at that load and the neighbouring ones for a level's rest
+        (docs/benchmarks.md, "A fourth machine")."""
         b = _bucket(rows)
         m = self.measured.get((proposer, k, b))
         if m is None or not self._fresh(m, b):
             return predicted * self._correction(proposer, k, b)
-        m.ratio = m.seconds / max(predicted, 1e-6)
+        m.ratio = m.usual / max(predicted, 1e-6)
         return m.seconds
 
     def fresh_at(self, proposer: str | None, k: int, rows: int) -> _Measured | None:

@@ -1119,6 +1119,28 @@ def test_a_plan_found_dear_stays_dear_after_its_measurement_expires():
     assert cost.round_s("draft", 4, 1, 0.1) == pytest.approx(0.1, rel=0.01)  # faded
 
 
+def test_a_plan_left_on_a_dear_window_is_priced_after_it_at_its_usual_time():
+    """A batch leaves a plan when its last window reads dear, often a stretch of prefill
+    stalls; that window's ratio to the model then priced the plan once its measurement
+    expired, and its proposer's plans with more drafts, for the rest of the level (at c=16
+    a draft:2 window of 257 ms at 12 rows kept draft:2 off the batch's plans at 15 rows,
+    which ran draft:4 at 374 ms a round for 2.56 tokens against draft_k2's 241 for 2.05).
+    The ratio is the plan's usual time's: the median of its window means."""
+    import specserve.policy as pol
+
+    cost = CostModel()
+    plan, other = Plan("draft", 2, "goodput"), Plan("draft", 1, "goodput")
+    for _ in range(3 * pol.MEASURED_WINDOW):  # its usual rounds: the model's 0.1 s
+        cost.observe(outcome(plan, 2, verify_s=0.1, propose_s=0.0))
+    for _ in range(pol.MEASURED_WINDOW):  # then a window of stalls: 3x
+        cost.observe(outcome(plan, 2, verify_s=0.3, propose_s=0.0))
+    assert cost.round_s("draft", 2, 1, 0.1) == pytest.approx(0.3)  # fresh: its last window
+    for _ in range(pol.MEASURED_STALE + 1):  # the batch runs another plan; it expires
+        cost.observe(outcome(other, 1, verify_s=0.1, propose_s=0.0))
+    assert cost.round_s("draft", 2, 1, 0.1) == pytest.approx(0.1, rel=0.05)  # its usual
+    assert cost.round_s("draft", 3, 2, 0.1) == pytest.approx(0.1, rel=0.05)  # and above it
+
+
 def test_a_plan_never_measured_near_the_load_is_priced_as_its_proposers_next_one_down():
     """The model's unmodelled costs (drafter contention, prefill stalls) grow with the
     drafts, so a plan never measured near this load takes the measured / predicted ratio
