@@ -1026,6 +1026,26 @@ def test_a_proposer_the_batches_stopped_choosing_is_tried_again(monkeypatch):
         > 0.9 * 8 * 40
 
 
+def test_a_proposer_read_above_its_prior_keeps_that_when_not_chosen():
+    """Relaxing pulls a pooled estimate not observed back up to its prior, not down: a
+    proposer read too good is chosen and its rounds correct it; one read better than its
+    prior and left (the draft model on repetitive text, ~0.70 a position, while the batch
+    runs the prompt lookup) kept going back to the prior, and the batch no longer weighed
+    it as what its rounds had shown."""
+    import specserve.policy as pol
+
+    cost = CostModel()
+    cost.rows = 8
+    cost.pooled["draft"].alpha = [0.75] * len(cost.pooled["draft"].alpha)
+    cost.pooled["ngram"].alpha = [0.2] * len(cost.pooled["ngram"].alpha)
+    for _ in range(8 * 4 * pol.RELAX_ROUNDS):  # four half-lives of batch rounds, unobserved
+        cost.rounds += 1
+        cost.relax()
+    assert cost.pooled["draft"].alpha[0] == pytest.approx(0.75)  # above: kept
+    low = cost.pooled["ngram"].alpha[0]
+    assert pol.PRIOR_ACCEPTANCE["ngram"] - low < 0.1 * (pol.PRIOR_ACCEPTANCE["ngram"] - 0.2)
+
+
 def test_one_stalled_forward_does_not_price_every_plan_at_a_stall():
     """A stall (the drafter catching up a whole batch takes the target's CPUs) among steady
     forwards: the verify fit's prediction stays near the steady time, so plans priced by
