@@ -76,6 +76,7 @@ from specserve.core.ngram import NgramIndex
 from specserve.rounds import NO_SPECULATION, FixedK, Plan, Policy, max_k
 
 if TYPE_CHECKING:
+    from specserve.contract import CallInfo, VerifyOutcome
     from specserve.rounds import RequestState, RoundOutcome
 
 PROPOSERS = ("draft", "ngram")
@@ -104,6 +105,8 @@ RELAX_ROUNDS = 32  # a pooled acceptance not observed for this many batch rounds
 # halfway back to its prior (``CostModel.relax``)
 PREFILL_FED = 8  # a target step that fed more positions than its rows' drafts and next
 # tokens by more than this had a prefill or a cache rebuild in it: not a decoding round
+PREFILLS_KEPT = 16  # the replies of the last this many such steps the cost model remembers
+SAME_STEP_NS = 5_000_000  # replies this close together came from one step
 LOAD_STEP = 0.2  # a batch's plan is scored at its rows smoothed over ~1 / LOAD_STEP rounds
 STALL = 3.0  # an online time above this many times the fit's prediction counts as this much
 TRY_AFTER = 24  # batch rounds on one plan before the batch tries the plan one draft down
@@ -412,6 +415,9 @@ class CostModel:
     # (proposer, k, load bucket) -> what a plan's last rounds took there; see ``round_s``
     measured: dict[tuple[str | None, int, int], _Measured] = field(default_factory=dict)
     ticks: int = 0  # rounds measured
+    # when the replies of the target's last steps that fed a prefill came back (the
+    # router's clock, ns): a verify call out then waited behind such a step (``_measure``)
+    prefills: deque[int] = field(default_factory=lambda: deque(maxlen=PREFILLS_KEPT))
 
     def observe_pooled(self, proposer: str, drafted: int, accepted: int) -> None:
         self.pooled[proposer].observe(drafted, accepted)
@@ -645,11 +651,19 @@ class CostModel:
         ran then was priced out for the rest of the load (at c=16 on mixed, lookup k = 3
         read 354 ms a round where ngram_k4's rounds took 164, and the batch ran the draft
         model's k = 4, at 230 ms, for a third of its rounds). A burst's rounds of decoding
-        alone are measured: where requests wait long for KV room, a burst lasts."""
+        alone are measured: where requests wait long for KV room, a burst lasts. Of decoding
+        alone, and not waiting behind such a step either (``_waited``): a row of another
+        cohort whose step of decoding ran after a burst's prefill step took it in its round
+        (at c=24 on mixed lookup k = 2 read 528 ms a round at 23 rows, its verify calls
+        1.3 s of which 0.13 s its own step, where lookup k = 1's took 268 and ngram_k4's
+        rounds 290, and it priced the lookup's plans with more drafts for the level's rest:
+        the batch ran lookup k = 1 and spec-off, 0.88x ngram_k4; docs/benchmarks.md, "A
+        fifth machine")."""
         v = o.verdict
         if v.batch_size <= 0 or o.round_s <= 0 or not steady \
                 or not measurable(o.round_no, o.caught_up) \
-                or (self.burst() and not decoding(v.batch_fed, v.batch_tokens)):
+                or (self.burst() and (not decoding(v.batch_fed, v.batch_tokens)
+                                      or self._waited(v.call))):
             return
         self.ticks += 1
         b = _bucket(self.load)
@@ -658,6 +672,19 @@ class CostModel:
         if m is None or self.ticks - m.tick > MEASURED_STALE * b:
             m = self.measured[key] = _window(b, m.ratio if m is not None else None)
         m.add(o.round_s + o.gap_s, self.ticks)
+
+    def _prefilled(self, v: VerifyOutcome) -> None:
+        """Note when a verify reply whose step fed a prefill came back (once a step: its
+        rows' replies come back within a few ms of one another)."""
+        t = v.call.reply_ns
+        if t and not decoding(v.batch_fed, v.batch_tokens) and (
+                not self.prefills or t - self.prefills[-1] > SAME_STEP_NS):
+            self.prefills.append(t)
+
+    def _waited(self, call: CallInfo) -> bool:
+        """Whether a verify call was out while a step that fed a prefill ran: that step's
+        reply came back after the call left and before its own reply."""
+        return any(call.call_ns < t < call.reply_ns for t in self.prefills)
 
     def verify_s(self, rows: float, tokens: float) -> float:
         return self.verify.predict((rows, tokens - rows), self.default_verify_s)
@@ -735,6 +762,8 @@ class CostModel:
                 fixed -= hops[1]  # other rows' draft steps (a batch sharing it has none)
             self.call_s[p] = _ema_low(self.call_s.get(p), max(0.0, fixed))
         self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
+        if v.batch_size > 0:
+            self._prefilled(v)
         self._measure(o, steady)
         if v.batch_size > 0:
             self.rows = v.batch_size + v.queue_rows

@@ -399,6 +399,47 @@ def test_a_bursts_rounds_are_not_a_plans_measured_time():
     assert cost.fresh_at("ngram", 2, 8).n == 3 + 8 * 2 + 1
 
 
+def test_a_round_that_waited_behind_a_bursts_prefill_step_is_not_measured():
+    """A row of another cohort whose own step was one of decoding, run after a burst's
+    prefill step, waited for that step in its round: while the burst lasts that round is
+    not the plan's time (at c=24 lookup k = 2 read 528 ms a round where its steps took 130
+    and priced the lookup out for the level's rest). A call that left after the prefill
+    step's reply, or one that came back before it, is measured; after the burst, one that
+    waited is too (a steady stream's prefills are a plan's cost)."""
+    from specserve.contract import CallInfo
+    from specserve.policy import _bucket
+
+    cost = seeded(0.006)
+    for i in range(1, 9):
+        cost.admitted(i)
+    assert cost.burst()
+    ms = 1_000_000
+
+    def row(sent: int, back: int, prefill: int = 0) -> None:
+        o = outcome(Plan("ngram", 2, "goodput"), 1, batch_size=8)
+        v = replace(o.verdict, batch_fed=o.verdict.batch_tokens + prefill,
+                    call=replace(o.verdict.call, call_ns=sent * ms, reply_ns=back * ms))
+        cost.observe(replace(o, verdict=v))
+
+    def measured() -> int:
+        m = cost.measured.get(("ngram", 2, _bucket(8)))
+        return m.n if m is not None else 0
+
+    for i in range(8):  # the burst's prefill step: 1 s, its reply back at t = 1,100 ms
+        row(100, 1100 + i, prefill=300)
+    assert measured() == 0
+    row(50, 1230)  # out from 50 ms, its own 130 ms step after the prefill step's
+    assert measured() == 0
+    row(1120, 1250)  # left after the prefill step's reply
+    row(900, 1050)  # came back before it
+    assert measured() == 2
+    for _ in range(8):
+        cost.started()
+    assert not cost.burst()
+    row(50, 1300)  # waited behind it, no burst now
+    assert measured() == 3
+
+
 def blind_round(policy: GoodputPolicy, k: int, found: int, accepted: int) -> None:
     """A batch's round of lookup k, searched blind (``in_batch``): the row's match had
     ``found`` tokens (up to k), ``accepted`` of them were (a first round: its time is not
