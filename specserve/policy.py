@@ -400,6 +400,7 @@ class CostModel:
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     active: int = 0  # the router's own requests in flight (``admitted``)
     arriving: int = 0  # those of them that have not had their first round (``started``)
+    bursting: bool = False  # a burst of them arrived and more than one still waits (``burst``)
     load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     load_since: int = 0  # ``rounds`` when ``load`` last moved to another grid point (``_bucket``)
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
@@ -468,16 +469,24 @@ class CostModel:
         if active > self.load:
             self._move_load(float(active))
         self.rows = max(self.rows, active)
+        self.bursting = self.bursting or self.arriving > max(1, self.rows // 4)
 
     def started(self) -> None:
         """One of the router's requests had its first round (or left before it)."""
         self.arriving = max(0, self.arriving - 1)
+        self.bursting = self.bursting and self.arriving > 1
 
     def burst(self) -> bool:
         """Whether the target's steps now carry a burst's prefills: more of the router's
-        requests wait for their first round than a steady stream has at once (one, or a
-        quarter of the rows: requests that finish together are replaced together)."""
-        return self.arriving > max(1, self.rows // 4)
+        requests came to wait for their first round than a steady stream has at once (one,
+        or a quarter of the rows: requests that finish together are replaced together), and
+        more than one of them still does. A burst lasts until its last arrivals started:
+        the target feeds a burst's prefills in chunks over several steps, and its last few
+        arrivals, a quarter of the rows or fewer, waited 1.6 s more, fed in steps of 380-420
+        positions; measured as a steady stream's, they put lookup k = 2 at 368 ms a round at
+        23 rows, where its rounds of decoding alone took 281 (a median; docs/benchmarks.md,
+        "A fifth machine")."""
+        return self.bursting
 
     def _move_load(self, load: float) -> None:
         """Set ``load``, noting when it moves to another grid point (``load_since``)."""

@@ -369,8 +369,9 @@ def test_a_bursts_rounds_are_not_a_plans_measured_time():
     """While a burst of arrivals waits for its first rounds, their prefills stall every
     row's steps whatever the plan: those rounds are not measured as the running plan's
     time (the router tells the cost model of each request's first round: ``started``);
-    its rounds of decoding alone are. One arrival at a time, a steady stream's, is: a plan
-    that commits more tokens a round has more of them a round."""
+    its rounds of decoding alone are. The burst lasts until its last arrivals started. One
+    arrival at a time, a steady stream's, is: a plan that commits more tokens a round has
+    more of them a round."""
     from specserve.policy import _bucket
 
     cost = seeded(0.006)
@@ -388,8 +389,14 @@ def test_a_bursts_rounds_are_not_a_plans_measured_time():
     assert not cost.measured
     rounds(3, prefill=0)  # steps of decoding alone
     assert cost.measured[("ngram", 2, _bucket(8))].n == 3
-    for _ in range(8):
+    for _ in range(6):  # its last arrivals' prefills, fed in chunks: the burst lasts
         cost.started()
+    assert cost.arriving == 2 and cost.burst()
+    rounds(8)
+    assert cost.measured[("ngram", 2, _bucket(8))].n == 3
+    for _ in range(2):
+        cost.started()
+    assert not cost.burst()
     rounds(8 * 2)
     assert cost.fresh_at("ngram", 2, 8).n == 3 + 8 * 2
     cost.admitted(7)  # one leaves, another comes: a steady stream
@@ -406,7 +413,6 @@ def test_a_round_that_waited_behind_a_bursts_prefill_step_is_not_measured():
     and priced the lookup out for the level's rest). A call that left after the prefill
     step's reply, or one that came back before it, is measured; after the burst, one that
     waited is too (a steady stream's prefills are a plan's cost)."""
-    from specserve.contract import CallInfo
     from specserve.policy import _bucket
 
     cost = seeded(0.006)
