@@ -771,10 +771,9 @@ class CostModel:
                 fixed -= hops[1]  # other rows' draft steps (a batch sharing it has none)
             self.call_s[p] = _ema_low(self.call_s.get(p), max(0.0, fixed))
         self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
-        if v.batch_size > 0:
-            self._prefilled(v)
         self._measure(o, steady)
         if v.batch_size > 0:
+            self._prefilled(v)
             self.rows = v.batch_size + v.queue_rows
             # every row of a batch reports it: about LOAD_STEP a batch round whatever its size
             self._move_load(_ema(self.load, self.rows, LOAD_STEP / self.rows))
