@@ -791,9 +791,13 @@ class GoodputPolicy:
         self.cost, self.k_max, self.has_drafter = cost, k_max, has_drafter
         self.lookup = NgramIndex(ngram_max_n, ngram_min_n)  # the request's prompt lookup
         priors = priors or {}
-        self.acceptance = {
-            p: Acceptance([*priors.get(p, []), *[PRIOR_ACCEPTANCE[p]] * k_max][:k_max])
-            for p in PROPOSERS}
+        prior = {p: [*priors.get(p, []), *[PRIOR_ACCEPTANCE[p]] * k_max][:k_max]
+                 for p in PROPOSERS}
+        self.acceptance = {p: Acceptance(prior[p]) for p in PROPOSERS}
+        # prompt lookup's after a round whose lookup was accepted whole (``own``)
+        self.copy_acceptance = Acceptance(prior["ngram"])
+        self.copying = False  # the last round's lookup, searched or proposed, was
+        # accepted whole
         self.counts = {p: [[0] * k_max, [0] * k_max] for p in PROPOSERS}  # tried, accepted
         self.idle = 0  # rounds alone in a row at k = 0 because speculating did not pay
         self.batch_rounds = 0  # rounds in a batch (every LOOKUP_EVERY-th searches)
@@ -802,6 +806,18 @@ class GoodputPolicy:
         self.shadow: list[int] | None = None  # this round's lookup match, when searched
         self.searched = 0  # for how many tokens it was searched (the round's k cap)
         self.last_plan: tuple[str | None, int] | None = None  # the round before's
+
+    def own(self, proposer: str) -> Acceptance:
+        """This request's acceptance estimate for ``proposer`` in its next round. Prompt
+        lookup's hits come in runs (the text copies an earlier passage, and the match goes
+        on where the last one was accepted), so after a round whose lookup was accepted
+        whole its next one is another quantity, with its own estimate: on code at c=1,
+        fixed ``ngram_k4``'s rounds after such a round accepted 2.4 drafts (87 % at least
+        one), after any other 0.4-1.2 (30-50 %); one estimate over both read every round
+        as their mix, and a row alone chose the lookup at k = 2 for ~1.9 tokens a round
+        where the draft model made 2.1 (docs/benchmarks.md, "A sixth machine")."""
+        return self.copy_acceptance if proposer == "ngram" and self.copying \
+            else self.acceptance[proposer]
 
     def candidates(self, state: RequestState, k_cap: int) -> list[tuple[str, int]]:
         out = []
@@ -836,7 +852,8 @@ class GoodputPolicy:
         else:
             blind = proposer == "ngram" and match is not None
             m = match if blind and match is not None else 1.0  # (None: not blind)
-            e = 1.0 + m * ((acceptance or self.acceptance)[proposer].expected(k) - 1.0)
+            own = acceptance[proposer] if acceptance else self.own(proposer)
+            e = 1.0 + m * (own.expected(k) - 1.0)
             drafts = m * (sum(c.match_len[:k]) if blind else k)
         t = c.round_s(proposer if k else None, k, rows, c.overhead_s + c.propose_s(
             proposer, k, rows) + c.verify_s(rows, rows * (1 + drafts)))
@@ -1066,17 +1083,22 @@ class GoodputPolicy:
         self.cost.observe(o, steady=plan == self.last_plan)
         self.last_plan = plan
         p = o.plan.proposer
+        lookup, self.copying = self.own("ngram"), False  # this round's, then the next's
         if self.blind_lookup and p == "ngram":  # planned without knowing: an honest sample
             self.cost.saw_lookup(o.drafted > 0, o.drafted, o.plan.k)
         if self.shadow and not (p == "ngram" and o.drafted):
             # the lookup this round searched but did not propose: how much of it the
             # target would have accepted (greedy: the committed tokens are the target's)
             drafted, accepted = shadow_acceptance(self.shadow, o.tokens)
-            self.acceptance["ngram"].observe(drafted, accepted)
+            lookup.observe(drafted, accepted)
+            self.copying = accepted == drafted
             self.cost.observe_pooled("ngram", drafted, accepted)
             self.cost.lookup_ended(drafted, accepted, self._searched(drafted))
         if p is not None and o.drafted:
-            self.acceptance[p].observe(o.drafted, o.decision.num_accepted)
+            (lookup if p == "ngram" else self.acceptance[p]).observe(
+                o.drafted, o.decision.num_accepted)
+            if p == "ngram":
+                self.copying = o.decision.num_accepted == o.drafted
             if self.batched or p == "ngram":  # see ``CostModel.pooled``
                 self.cost.observe_pooled(p, o.drafted, o.decision.num_accepted)
             if p == "ngram":
@@ -1084,7 +1106,8 @@ class GoodputPolicy:
                                        if self.blind_lookup else self._searched(o.drafted))
             if p == "ngram" and self.shadow and (past := lookup_past_k(
                     self.shadow, o.proposal.draft_tokens, o.tokens)) is not None:
-                self.acceptance["ngram"].observe_at(o.drafted, past)
+                lookup.observe_at(o.drafted, past)
+                self.copying = past  # the match went on past the drafts, or ended
                 self.cost.observe_pooled_at("ngram", o.drafted, past)
             tried, acc = self.counts[p]
             for i in range(min(o.drafted, o.decision.num_accepted + 1, self.k_max)):

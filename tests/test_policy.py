@@ -286,8 +286,40 @@ def test_a_lookup_round_learns_the_position_past_its_drafts():
         o = outcome(plan, 2, batch_size=8)
         policy.observe(st, replace(o, proposal=replace(o.proposal, draft_tokens=found[:2]),
                                    tokens=tuple(found[:3])))
-    assert cost.pooled["ngram"].alpha[2] > 0.5 and policy.acceptance["ngram"].alpha[2] > 0.8
+    assert cost.pooled["ngram"].alpha[2] > 0.5 and policy.own("ngram").alpha[2] > 0.8
     assert cost.pooled["ngram"].alpha[3] == 0.2  # never reached
+
+
+def test_a_row_alone_takes_the_lookup_while_the_text_copies_an_earlier_passage():
+    """Prompt lookup's hits come in runs (the text copies an earlier passage): a row alone
+    keeps its lookup's acceptance after a round whose lookup was accepted whole apart from
+    its acceptance after any other (``GoodputPolicy.own``). Here the text copies in
+    stretches (a round copies with probability 0.85 after one that copied, 0.15 after one
+    that did not; a copy accepts the whole lookup, else none of it) and the draft model's
+    drafts are accepted at 0.6 a position: the row takes the lookup in a copy and the draft
+    model out of one. One estimate over both read the lookup at their mix (~0.5 at its
+    first position, then all) in every round, and the row took the lookup throughout."""
+    import random
+
+    from specserve.core.ngram import propose_ngram
+
+    rng, copying = random.Random(3), False
+    policy, st = GoodputPolicy(seeded(0.002), K, has_drafter=True), state(REPEATS * 3)
+    found = [*propose_ngram(st.committed, K), 99]
+    after: dict[bool, list[str | None]] = {True: [], False: []}
+    for _ in range(300):
+        plan = policy.choose(st)
+        after[copying].append(plan.proposer)
+        copying = rng.random() < (0.85 if copying else 0.15)
+        if plan.proposer == "ngram":
+            accepted = plan.k if copying else 0
+        else:
+            accepted = next((j for j in range(plan.k) if rng.random() >= 0.6), plan.k)
+        o = outcome(plan, accepted)
+        text = found if copying else [98] * len(found)
+        policy.observe(st, replace(o, tokens=tuple(text[:len(o.tokens)])))
+    share = {c: ps[20:].count("ngram") / len(ps[20:]) for c, ps in after.items()}
+    assert share[True] > 0.8 and share[False] < 0.2, share
 
 
 def test_rows_of_a_batch_keep_in_step():
