@@ -1091,7 +1091,6 @@ class GoodputPolicy:
             # target would have accepted (greedy: the committed tokens are the target's)
             drafted, accepted = shadow_acceptance(self.shadow, o.tokens)
             lookup.observe(drafted, accepted)
-            self._count("ngram", drafted, accepted)
             self.copying = accepted == drafted
             self.cost.observe_pooled("ngram", drafted, accepted)
             self.cost.lookup_ended(drafted, accepted, self._searched(drafted))
@@ -1110,21 +1109,11 @@ class GoodputPolicy:
                 lookup.observe_at(o.drafted, past)
                 self.copying = past  # the match went on past the drafts, or ended
                 self.cost.observe_pooled_at("ngram", o.drafted, past)
-            self._count(p, o.drafted, o.decision.num_accepted)
+            tried, acc = self.counts[p]
+            for i in range(min(o.drafted, o.decision.num_accepted + 1, self.k_max)):
+                tried[i] += 1
+                acc[i] += int(i < o.decision.num_accepted)
 
-    def _count(self, proposer: str, drafted: int, accepted: int) -> None:
-        """Count a round's drafts for the fleet's prior (``counts``, ``PriorStore``): the
-        positions reached, and which were accepted. Prompt lookup's from every round that
-        searched it, proposed or not, as its own estimate learns: counted only where it
-        was proposed, the fleet's prior was the acceptance of the lookups a row chose,
-        and a row alone now chooses it mostly in a copy of an earlier passage (``own``),
-        where it had 2.4 drafts a round accepted against 0.4-1.5 elsewhere; every
-        request's estimate after a miss started there and took rounds of lookups with
-        nothing accepted to come down (docs/benchmarks.md, "A sixth machine")."""
-        tried, acc = self.counts[proposer]
-        for i in range(min(drafted, accepted + 1, self.k_max)):
-            tried[i] += 1
-            acc[i] += int(i < accepted)
 
     def _searched(self, length: int) -> int:
         """For how many tokens this round's search found a match of ``length`` tokens (its

@@ -322,26 +322,6 @@ def test_a_row_alone_takes_the_lookup_while_the_text_copies_an_earlier_passage()
     assert share[True] > 0.8 and share[False] < 0.2, share
 
 
-def test_the_fleets_lookup_prior_counts_every_search_not_only_the_proposed_ones():
-    """A request's counts for the fleet's prior (``PriorStore``) take its prompt lookup's
-    outcome in every round that searched it: a row alone that drafts with the draft model
-    while its lookup would have missed still tells the fleet so (counted only where
-    proposed, the prior was the acceptance of the lookups rows chose, mostly in copies)."""
-    from specserve.core.ngram import propose_ngram
-
-    policy, st = GoodputPolicy(seeded(0.002), K, has_drafter=True), state(REPEATS * 3)
-    found = propose_ngram(st.committed, K)
-    plan = Plan("draft", 2, "goodput")
-    policy.shadow = found  # searched, not proposed; the target's tokens differ at once
-    o = outcome(plan, 1)
-    policy.observe(st, replace(o, tokens=(98, 98)))
-    assert policy.counts["ngram"] == [[1, 0, 0, 0], [0, 0, 0, 0]]  # reached 1, accepted 0
-    assert policy.counts["draft"] == [[1, 1, 0, 0], [1, 0, 0, 0]]
-    policy.shadow = found  # and a round that committed the lookup's first three tokens
-    policy.observe(st, replace(outcome(plan, 2), tokens=tuple(found[:3])))
-    assert policy.counts["ngram"] == [[2, 1, 1, 0], [1, 1, 1, 0]]  # all 3 seen accepted
-
-
 def test_rows_of_a_batch_keep_in_step():
     """A batch's k is decided on what all its rows see alike (the router's pooled
     acceptance, the shared costs), so rows whose own acceptance differs do not split: a
