@@ -116,7 +116,9 @@ TRY_AGAIN = 4  # batch rounds after a try the batch took before it tries the nex
 TRY_HELD = 4  # batch rounds the load held its grid point before a plan never measured
 # near it is tried at once (``try_down``)
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
-# pooled match rate; a search over a long context costs ~0.2 ms of router time)
+# pooled match rate and acceptance). A search costs ~15 us with the index; every round was
+# measured worse (paired -0.018: the batches ran the lookup more; docs/benchmarks.md, "A
+# sixth machine")
 
 
 class Acceptance:
