@@ -798,8 +798,7 @@ class GoodputPolicy:
         self.acceptance = {p: Acceptance(prior[p]) for p in PROPOSERS}
         # prompt lookup's after a round whose lookup was accepted whole (``own``)
         self.copy_acceptance = Acceptance(prior["ngram"])
-        self.copying = False  # the last round's lookup, searched or proposed, was
-        # accepted whole
+        self.copying = False  # the last round's lookup (searched or proposed) accepted whole
         self.counts = {p: [[0] * k_max, [0] * k_max] for p in PROPOSERS}  # tried, accepted
         self.idle = 0  # rounds alone in a row at k = 0 because speculating did not pay
         self.batch_rounds = 0  # rounds in a batch (every LOOKUP_EVERY-th searches)
@@ -815,7 +814,7 @@ class GoodputPolicy:
         on where the last one was accepted), so after a round whose lookup was accepted
         whole its next one is another quantity, with its own estimate: on code at c=1,
         fixed ``ngram_k4``'s rounds after such a round accepted 2.4 drafts (87 % at least
-        one), after any other 0.4-1.2 (30-50 %); one estimate over both read every round
+        one), after any other 0.4-1.5 (30-50 %); one estimate over both read every round
         as their mix, and a row alone chose the lookup at k = 2 for ~1.9 tokens a round
         where the draft model made 2.1 (docs/benchmarks.md, "A sixth machine")."""
         return self.copy_acceptance if proposer == "ngram" and self.copying \
