@@ -477,11 +477,6 @@ class CostModel:
         if len(self.ages) > 4 * max(self.active, self.rows) + 16:  # forget the gone
             self._recent()
 
-    def finished(self, row: int) -> None:
-        """Row ``row`` had its last round: not among the batch's rows any more (a row that
-        fails instead is forgotten two batch rounds on)."""
-        self.ages.pop(row, None)
-
     def _recent(self) -> list[int]:
         """The rows that planned within the batch's last two rounds, by age stratum (the
         others are forgotten)."""
@@ -1163,8 +1158,6 @@ class GoodputPolicy:
     def observe(self, state: RequestState, o: RoundOutcome) -> None:
         plan = _plan_key(o.plan)
         self.cost.observe(o, steady=plan == self.last_plan)
-        if o.finish is not None:
-            self.cost.finished(id(self))
         self.last_plan = plan
         p = o.plan.proposer
         lookup, self.copying = self.own("ngram"), False  # this round's, then the next's

@@ -530,55 +530,6 @@ def test_a_batch_scores_its_lookup_by_how_far_the_matches_reach():
     assert max(cost.match_len[2:K]) < 0.01
 
 
-def test_a_batch_scores_its_lookup_by_its_rows_ages():
-    """A prompt lookup finds what the text repeats, and a row's first output tokens have
-    little behind them to repeat: on the bench pair fixed ngram_k4's rounds made 1.0-1.45
-    tokens in a row's first 8 output tokens and 2.0-3.3 after its 16th, the draft model's
-    ~2 at every age. So the pooled lookup estimates are kept per age stratum of the rows
-    (``lookup_age``), and a batch scores the lookup over its rows' strata: a wave of young
-    rows drafts with the model, the same rows grown take the lookup. One estimate over all
-    ages read both as their mix."""
-    from specserve.policy import LOOKUP_AGES, lookup_age
-
-    assert [lookup_age(n) for n in (0, 7, 8, 15, 16, 300)] == [0, 0, 1, 1, 2, 2]
-    cost = seeded(0.006)
-    set_pooled(cost, "draft", [0.7] * K)
-    teacher = GoodputPolicy(cost, K, has_drafter=True)
-    for _ in range(300):  # young rows' blind lookups: half find one token, rejected
-        teacher.age = 0
-        blind_round(teacher, K, 1, 0)
-        cost.saw_lookup(False, 0, K, 0)
-        teacher.age = 2  # grown rows': four tokens, all accepted
-        blind_round(teacher, K, K, K)
-    assert cost.lookup_match[0] == pytest.approx(0.5, abs=0.05)
-    assert cost.lookup[0].alpha[0] < 0.05 and cost.lookup[2].alpha[0] > 0.95
-
-    def best(output: int) -> tuple[str, float]:
-        """The batch's best plan for 8 rows of ``output`` tokens, and its expected tokens."""
-        for _ in range(3 * 8):  # three batch rounds: the rows before are gone
-            cost.observe(outcome(Plan(None, 0, "off"), 0, batch_size=8))
-        for _ in range(8):
-            row, st = GoodputPolicy(cost, K, has_drafter=True), state()
-            row.batch_rounds = 1  # (past its first search, here of a text with no match)
-            st.commit([1] * output)
-            row.choose(st)
-        cost.lookup_mix()
-        scored = [teacher.score(p, k, 7, batch=True) for p in ("draft", "ngram")
-                  for k in range(1, K + 1)]
-        plan = max(scored, key=lambda s: s[0])[1]
-        return plan.proposer, plan.expected
-
-    cost.rows, cost.load = 8, 8.0
-    assert best(0)[0] == "draft" and cost.mix == [1.0, 0.0, 0.0]
-    row = GoodputPolicy(cost, K, has_drafter=True)
-    row.choose(state())
-    row.observe(state(), replace(outcome(Plan(None, 0, "off"), 0, batch_size=8),
-                                 finish="length"))
-    assert id(row) not in cost.ages  # a row that finished is not among the batch's
-    grown = best(LOOKUP_AGES[-1])
-    assert grown == ("ngram", pytest.approx(1 + K, rel=0.05)) and cost.mix == [0.0, 0.0, 1.0]
-
-
 def test_a_batch_lookups_tokens_are_not_its_reach_times_its_acceptance():
     """Whether a blind match reaches a position and whether it is accepted there are not
     independent: where the text repeats with a short period the matches are short and
