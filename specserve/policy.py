@@ -115,12 +115,10 @@ TRY_ROUNDS = 8  # batch rounds a try lasts at most (its measurement needs MEASUR
 TRY_AGAIN = 4  # batch rounds after a try the batch took before it tries the next one down
 TRY_HELD = 4  # batch rounds the load held its grid point before a plan never measured
 # near it is tried at once (``try_down``)
-LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds, from
-# its first (the pooled match rate and acceptance). A search costs ~15 us with the index;
-# every round was measured worse (paired -0.018: the batches ran the lookup more;
-# docs/benchmarks.md, "A sixth machine")
-LOOKUP_AGES = (8, 16)  # a row's output tokens: the bounds of the pooled lookup's age strata
-# (``CostModel.lookup``)
+LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
+# pooled match rate and acceptance). A search costs ~15 us with the index; every round was
+# measured worse (paired -0.018: the batches ran the lookup more; docs/benchmarks.md, "A
+# sixth machine")
 
 
 class Acceptance:
@@ -337,12 +335,6 @@ def _neighbours(b: int) -> tuple[int, int]:
     return (b - 1 if b <= 5 else _bucket(b / 1.25)), (b + 1 if b < 4 else _bucket(b * 1.25))
 
 
-def lookup_age(output: int) -> int:
-    """A row's age stratum for the pooled prompt-lookup estimates, by the tokens it has
-    output (``LOOKUP_AGES``)."""
-    return sum(output >= bound for bound in LOOKUP_AGES)
-
-
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
     return new if old is None else (1 - w) * old + w * new
 
@@ -378,55 +370,35 @@ class CostModel:
     call_s: dict[str, float] = field(default_factory=dict)  # proposer -> fixed call time
     overhead_s: float = 0.0
     profiled: int = 0  # points seeded from replicas' start-up profiles
-    # every request's rounds together: what a batch's rows decide on together. An unbiased
-    # sample of the rows: the draft model's only from rounds whose plan the batch decided,
-    # all its rows drafting. A row alone chooses its proposer by its own acceptance, so it
-    # drafts with the model where the lookup found nothing to repeat, the harder text: its
-    # rounds had the pooled draft acceptance at 0.47 where the fixed draft model's rounds
-    # implied ~0.63, and batches seldom tried the draft model (greedy rows only: a sampled
-    # row's acceptance, min(1, p/q), is another quantity)
-    pooled: dict[str, Acceptance] = field(default_factory=lambda: {
-        "draft": Acceptance([PRIOR_ACCEPTANCE["draft"]] * MAX_K, POOLED_STEP)})
-    # Prompt lookup's, per age stratum of the rows (``lookup_age``): from every round that
-    # searched it (chosen or not, ``shadow_acceptance``). A lookup finds what the text
-    # repeats, and a row's first tokens have little behind them to repeat: fixed ngram_k4's
-    # rounds made 1.0-1.45 tokens in a row's first 8 output tokens, 2.0-3.3 after its 16th
-    # (on repetitive 1.1-1.6, then 2.0-2.4), where the draft model's made 1.9-2.4 at every
-    # age. One estimate over all ages read a batch's rows as their long-run mix, which they
-    # are not where requests arrive together (a burst, or a wave of requests of one length
-    # replacing the last): a wave's young rows ran the lookup at 1.0-1.7 tokens a round (on
-    # prose 500 of auto's 2000 lookup rounds), and its grown ones were priced low from them
-    # (docs/benchmarks.md, "A seventh machine"). A batch scores the lookup over its rows'
-    # strata (``lookup_mix``). Scored blind (a batch's rows do not search before the plan),
+    # every request's rounds together, per proposer: what a batch's rows decide on together.
+    # An unbiased sample of the rows: prompt lookup's from every round that searched it
+    # (chosen or not, ``shadow_acceptance``); the draft model's only from rounds whose plan
+    # the batch decided, all its rows drafting. A row alone chooses its proposer by its own
+    # acceptance, so it drafts with the model where the lookup found nothing to repeat, the
+    # harder text: its rounds had the pooled draft acceptance at 0.47 where the fixed
+    # draft model's rounds implied ~0.63, and batches seldom tried the draft model
+    # (greedy rows only: a sampled row's acceptance, min(1, p/q), is another quantity).
+    # Prompt lookup's is scored blind (a batch's rows do not search before the plan), so
     # its position i is P(the match reaches i and it is accepted | positions before were):
     # a match that ended before what was searched for, all of it accepted, counts as a
     # rejection at its next position (``lookup_ended``). Acceptance given the draft and a
     # separate share of matches reaching i assumed the two independent; short matches
     # (the text repeats with a short period) are accepted more than long ones, and that
     # read lookup k = 3-4 2-4 % too good on mixed (docs/benchmarks.md, "A third machine")
-    lookup: list[Acceptance] = field(default_factory=lambda: [
-        Acceptance([PRIOR_ACCEPTANCE["ngram"]] * MAX_K, POOLED_STEP)
-        for _ in range(len(LOOKUP_AGES) + 1)])
+    pooled: dict[str, Acceptance] = field(default_factory=lambda: {
+        p: Acceptance([PRIOR_ACCEPTANCE[p]] * MAX_K, POOLED_STEP) for p in PROPOSERS})
     # A pooled estimate not observed for a while goes back up towards its prior, so that a
-    # proposer the batches stopped choosing is tried again (``relax``): ``rounds`` when each
-    # was last observed, the draft model's and each lookup stratum's
-    pooled_at: dict[str, int] = field(default_factory=dict)
-    lookup_at: list[int] = field(default_factory=lambda: [0] * (len(LOOKUP_AGES) + 1))
+    # proposer the batches stopped choosing is tried again (``relax``)
+    pooled_at: dict[str, int] = field(default_factory=dict)  # proposer -> ``rounds`` then
     rounds: int = 0  # rounds observed (every row's)
-    # per age stratum, the share of prompt lookups that found a match, over the rounds that
-    # searched without knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th
-    # and its lookup plans)
-    lookup_match: list[float] = field(
-        default_factory=lambda: [PRIOR_MATCH] * (len(LOOKUP_AGES) + 1))
+    # the share of prompt lookups that found a match, over the rounds that searched without
+    # knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th and its lookup plans)
+    lookup_match: float = PRIOR_MATCH
     # the same searches' match lengths: per draft position j, the share of matches that
     # reach it (as far as each search's k saw); position 0 is every match's. A batch's
     # lookup plan with k drafts proposes only as many as a row's match has: the drafts the
     # target verifies (on prose 54 % of ngram_k4's rounds proposed 2)
     match_len: list[float] = field(default_factory=lambda: [1.0] * MAX_K)
-    # the rows that planned lately: a row's key -> its age stratum, ``rounds`` then; and the
-    # batch's shares of rows by stratum, as of its last decision (``lookup_mix``)
-    ages: dict[int, tuple[int, int]] = field(default_factory=dict)
-    mix: list[float] = field(default_factory=lambda: [1.0] + [0.0] * len(LOOKUP_AGES))
     rows: int = 1  # rows of the last verify reply's batch plus the target's queue
     active: int = 0  # the router's own requests in flight (``admitted``)
     arriving: int = 0  # those of them that have not had their first round (``started``)
@@ -450,61 +422,20 @@ class CostModel:
     # router's clock, ns): a verify call out then waited behind such a step (``_measure``)
     prefills: deque[int] = field(default_factory=lambda: deque(maxlen=PREFILLS_KEPT))
 
-    def observe_pooled(self, drafted: int, accepted: int) -> None:
-        """A round of the batch's draft-model plan (``pooled``)."""
-        self.pooled["draft"].observe(drafted, accepted)
-        self.pooled_at["draft"] = self.rounds
+    def observe_pooled(self, proposer: str, drafted: int, accepted: int) -> None:
+        self.pooled[proposer].observe(drafted, accepted)
+        self.pooled_at[proposer] = self.rounds
 
-    def observe_lookup(self, age: int, drafted: int, accepted: int) -> None:
-        """A prompt lookup's outcome, proposed or searched, in a row of age stratum ``age``."""
-        self.lookup[age].observe(drafted, accepted)
-        self.lookup_at[age] = self.rounds
+    def observe_pooled_at(self, proposer: str, i: int, accepted: bool) -> None:
+        self.pooled[proposer].observe_at(i, accepted)
+        self.pooled_at[proposer] = self.rounds
 
-    def observe_lookup_at(self, age: int, i: int, accepted: bool) -> None:
-        self.lookup[age].observe_at(i, accepted)
-        self.lookup_at[age] = self.rounds
-
-    def lookup_ended(self, age: int, drafted: int, accepted: int, searched: int) -> None:
+    def lookup_ended(self, drafted: int, accepted: int, searched: int) -> None:
         """A prompt lookup's match of ``drafted`` tokens, searched for ``searched``: if it
         ended short of that, all of it accepted, the next position had no draft, a rejection
-        for the pooled estimate of a blind match (``lookup``)."""
+        for the pooled estimate of a blind match (``pooled``)."""
         if 0 < drafted == accepted < searched:
-            self.observe_lookup_at(age, drafted, False)
-
-    def planned(self, row: int, age: int) -> None:
-        """Row ``row`` (a key of its own) plans a round at age stratum ``age``."""
-        self.ages[row] = (age, self.rounds)
-        if len(self.ages) > 4 * max(self.active, self.rows) + 16:  # forget the gone
-            self._recent()
-
-    def _recent(self) -> list[int]:
-        """The rows that planned within the batch's last two rounds, by age stratum (the
-        others are forgotten)."""
-        since, n = self.rounds - 2 * max(1, self.rows) - 1, [0] * len(self.lookup)
-        for row, (age, at) in list(self.ages.items()):
-            if at < since:
-                del self.ages[row]
-            else:
-                n[age] += 1
-        return n
-
-    def lookup_mix(self) -> list[float]:
-        """The batch's shares of rows by age stratum, kept for its plan's scores (``mix``)."""
-        n = self._recent()
-        if sum(n):
-            self.mix = [x / sum(n) for x in n]
-        return self.mix
-
-    def blind_lookup(self, k: int) -> tuple[float, float]:
-        """A row's expected committed tokens and drafts in a batch's prompt-lookup plan of
-        k drafts, searched blind: per age stratum, found with its match rate, its tokens by
-        its pooled estimate, its drafts as far as the matches reach (``match_len``); over
-        the batch's rows (``mix``)."""
-        reach, tokens, drafts = sum(self.match_len[:k]), 0.0, 0.0
-        for w, acc, m in zip(self.mix, self.lookup, self.lookup_match, strict=True):
-            tokens += w * (1.0 + m * (acc.expected(k) - 1.0))
-            drafts += w * m * reach
-        return tokens, drafts
+            self.observe_pooled_at("ngram", drafted, False)
 
     def relax(self) -> None:
         """Move each pooled estimate not observed in the batch's last round back towards its
@@ -522,13 +453,9 @@ class CostModel:
         prompt lookup, 7-15 % slower there, at every load (auto 0.82-0.89x the best fixed
         configuration; docs/benchmarks.md, "A fourth machine")."""
         w = 1.0 - 0.5 ** (1.0 / (RELAX_ROUNDS * max(1, self.rows)))  # per row's round
-        estimates = [(self.pooled["draft"], PRIOR_ACCEPTANCE["draft"],
-                      self.pooled_at.get("draft", 0)),
-                     *((acc, PRIOR_ACCEPTANCE["ngram"], at)
-                       for acc, at in zip(self.lookup, self.lookup_at, strict=True))]
-        for acc, prior, at in estimates:
-            if self.rounds - at > self.rows:
-                acc.relax(prior, w)
+        for p, acc in self.pooled.items():
+            if self.rounds - self.pooled_at.get(p, 0) > self.rows:
+                acc.relax(PRIOR_ACCEPTANCE[p], w)
 
     def admitted(self, active: int) -> None:
         """The router's own requests in flight, told on every arrival and departure: a
@@ -569,10 +496,9 @@ class CostModel:
             self.load_since = self.rounds
         self.load = load
 
-    def saw_lookup(self, matched: bool, length: int = 0, k: int = 0, age: int = 0) -> None:
-        """A prompt lookup searched for up to ``k`` tokens in a row of age stratum ``age``,
-        and the ``length`` it found."""
-        self.lookup_match[age] = _ema(self.lookup_match[age], float(matched), 0.05)
+    def saw_lookup(self, matched: bool, length: int = 0, k: int = 0) -> None:
+        """A prompt lookup searched for up to ``k`` tokens, and the ``length`` it found."""
+        self.lookup_match = _ema(self.lookup_match, float(matched), 0.05)
         if matched:
             for j in range(1, min(k, MAX_K)):
                 self.match_len[j] = _ema(self.match_len[j], float(length > j), 0.05)
@@ -787,11 +713,9 @@ class CostModel:
                 ms(self.draft), "call_ms": {p: round(1000 * v, 3)
                                             for p, v in self.call_s.items()},
                 "overhead_ms": round(1000 * self.overhead_s, 3), "profiled": self.profiled,
-                "pooled_acceptance": {"draft": [round(a, 3) for a in self.pooled["draft"].alpha],
-                                      "ngram": [[round(a, 3) for a in acc.alpha]
-                                                for acc in self.lookup]},
-                "lookup_match": [round(m, 3) for m in self.lookup_match],
-                "lookup_mix": [round(w, 3) for w in self.mix],
+                "pooled_acceptance": {p: [round(a, 3) for a in acc.alpha]
+                                      for p, acc in self.pooled.items()},
+                "lookup_match": round(self.lookup_match, 3),
                 "lookup_reach": [round(x, 3) for x in self.match_len], "rows": self.rows,
                 "load": round(self.load, 2), "arriving": self.arriving,
                 "batch_plan": list(self.batch_plan),
@@ -883,7 +807,6 @@ class GoodputPolicy:
         self.shadow: list[int] | None = None  # this round's lookup match, when searched
         self.searched = 0  # for how many tokens it was searched (the round's k cap)
         self.last_plan: tuple[str | None, int] | None = None  # the round before's
-        self.age = 0  # this round's age stratum (``lookup_age``)
 
     def own(self, proposer: str) -> Acceptance:
         """This request's acceptance estimate for ``proposer`` in its next round. Prompt
@@ -910,25 +833,29 @@ class GoodputPolicy:
         kept (``shadow``) and told to the cost model (its match rate and reach)."""
         match = self.shadow = self.lookup.propose(state.committed, k_cap)
         self.searched = k_cap
-        self.cost.saw_lookup(bool(match), len(match), k_cap, self.age)
+        self.cost.saw_lookup(bool(match), len(match), k_cap)
         return match
 
     def score(self, proposer: str | None, k: int, others: int,
-              batch: bool = False) -> tuple[float, Plan]:
+              acceptance: dict[str, Acceptance] | None = None,
+              match: float | None = None) -> tuple[float, Plan]:
         """The goodput (tokens / s) of a batch of this row and ``others`` in which every
-        row takes this plan: its expected committed tokens and the round's time (one
-        drafter step for the rows drafting together, one target forward). Its tokens by
-        this request's acceptance and, for a prompt lookup, its own match, at least k long
-        (``candidates``); or, ``batch``, by the router's pooled estimates, a prompt lookup
-        searched blind (``CostModel.blind_lookup``)."""
+        row takes this plan: its expected committed tokens (by ``acceptance``, default
+        this request's) and the round's time (one drafter step for the rows drafting
+        together, one target forward). A prompt lookup's ``match``: None, this row's own
+        match, at least k long (``candidates``); else the batch's, searched blind: found
+        with probability ``match``, its tokens by the pooled estimate of a blind match
+        (each position reached and accepted: ``CostModel.pooled``), its drafts as far as
+        the router's searches' matches reach (``CostModel.match_len``)."""
         c, rows = self.cost, others + 1
         if proposer is None:
             e, drafts = 1.0, 0.0
-        elif batch and proposer == "ngram":
-            e, drafts = c.blind_lookup(k)
         else:
-            own = c.pooled[proposer] if batch else self.own(proposer)
-            e, drafts = own.expected(k), float(k)
+            blind = proposer == "ngram" and match is not None
+            m = match if blind and match is not None else 1.0  # (None: not blind)
+            own = acceptance[proposer] if acceptance else self.own(proposer)
+            e = 1.0 + m * (own.expected(k) - 1.0)
+            drafts = m * (sum(c.match_len[:k]) if blind else k)
         t = c.round_s(proposer if k else None, k, rows, c.overhead_s + c.propose_s(
             proposer, k, rows) + c.verify_s(rows, rows * (1 + drafts)))
         return rows * e / t, Plan(proposer, k, "goodput", e, t)
@@ -952,11 +879,9 @@ class GoodputPolicy:
             return Plan(None, 0, "budget", 1.0)
         if not state.sampling.greedy:
             return self.reproducible(state, k_cap)
-        self.age = lookup_age(len(state.output))
-        self.cost.planned(id(self), self.age)
         if self.cost.rows > 1:
             self.batch_rounds += 1
-            if self.batch_rounds % LOOKUP_EVERY == 1:
+            if self.batch_rounds % LOOKUP_EVERY == 0:
                 self._search(state, k_cap)
             self.batched = True
             return self.in_batch(k_cap)
@@ -1006,12 +931,11 @@ class GoodputPolicy:
         now = max(1, round(c.load))  # the rows it shares, not the last step's cohort
         if plan is None or c.rounds - at >= rows or _bucket(now) != _bucket(rows):
             rows = now
-            c.lookup_mix()
             plan = self._decide(rows - 1)
             c.decided[key] = (c.rounds, rows, plan)
         if plan.k > k_cap:
-            plan = replace(self.score(plan.proposer, k_cap, rows - 1, batch=True)[1],
-                           reason=plan.reason)
+            plan = replace(self.score(plan.proposer, k_cap, rows - 1, c.pooled,
+                                      c.lookup_match)[1], reason=plan.reason)
         self.blind_lookup = plan.proposer == "ngram"
         return plan
 
@@ -1020,7 +944,7 @@ class GoodputPolicy:
         c = self.cost
         plans = [(None, 0), *((p, k) for p in ("draft", "ngram")[not self.has_drafter:]
                               for k in range(1, self.k_max + 1))]
-        scores = {plan: self.score(*plan, others, batch=True) for plan in plans}
+        scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}
         ended = c.trying is not None  # a try ends in this call, unless it goes on
         current = self.try_down(scores, others + 1)
         if c.trying is not None:  # the batch's try (``explore``)
@@ -1045,7 +969,7 @@ class GoodputPolicy:
             return replace(plan, reason="climb") if climb else plan
         if climb:
             return replace(scores[(None, 0)][1], reason="climb")
-        alone = max((self.score(p, j, 0, batch=True) for p, j in plans[1:]),
+        alone = max((self.score(p, j, 0, c.pooled, c.lookup_match) for p, j in plans[1:]),
                     key=lambda s: s[0])  # would it pay without the others?
         reason = "saturated" if alone[0] > self.score(None, 0, 0)[0] else "low_acceptance"
         return replace(scores[(None, 0)][1], reason=reason)
@@ -1162,31 +1086,30 @@ class GoodputPolicy:
         p = o.plan.proposer
         lookup, self.copying = self.own("ngram"), False  # this round's, then the next's
         if self.blind_lookup and p == "ngram":  # planned without knowing: an honest sample
-            self.cost.saw_lookup(o.drafted > 0, o.drafted, o.plan.k, self.age)
+            self.cost.saw_lookup(o.drafted > 0, o.drafted, o.plan.k)
         if self.shadow and not (p == "ngram" and o.drafted):
             # the lookup this round searched but did not propose: how much of it the
             # target would have accepted (greedy: the committed tokens are the target's)
             drafted, accepted = shadow_acceptance(self.shadow, o.tokens)
             lookup.observe(drafted, accepted)
             self.copying = accepted == drafted
-            self.cost.observe_lookup(self.age, drafted, accepted)
-            self.cost.lookup_ended(self.age, drafted, accepted, self._searched(drafted))
+            self.cost.observe_pooled("ngram", drafted, accepted)
+            self.cost.lookup_ended(drafted, accepted, self._searched(drafted))
         if p is not None and o.drafted:
             (lookup if p == "ngram" else self.acceptance[p]).observe(
                 o.drafted, o.decision.num_accepted)
             if p == "ngram":
                 self.copying = o.decision.num_accepted == o.drafted
+            if self.batched or p == "ngram":  # see ``CostModel.pooled``
+                self.cost.observe_pooled(p, o.drafted, o.decision.num_accepted)
             if p == "ngram":
-                self.cost.observe_lookup(self.age, o.drafted, o.decision.num_accepted)
-                self.cost.lookup_ended(self.age, o.drafted, o.decision.num_accepted, o.plan.k
+                self.cost.lookup_ended(o.drafted, o.decision.num_accepted, o.plan.k
                                        if self.blind_lookup else self._searched(o.drafted))
-            elif self.batched:  # see ``CostModel.pooled``
-                self.cost.observe_pooled(o.drafted, o.decision.num_accepted)
             if p == "ngram" and self.shadow and (past := lookup_past_k(
                     self.shadow, o.proposal.draft_tokens, o.tokens)) is not None:
                 lookup.observe_at(o.drafted, past)
                 self.copying = past  # the match went on past the drafts, or ended
-                self.cost.observe_lookup_at(self.age, o.drafted, past)
+                self.cost.observe_pooled_at("ngram", o.drafted, past)
             tried, acc = self.counts[p]
             for i in range(min(o.drafted, o.decision.num_accepted + 1, self.k_max)):
                 tried[i] += 1

@@ -142,17 +142,6 @@ def test_k_shrinks_smoothly_with_load():
     assert len(set(ks)) > 2  # intermediate k on the way, not a single threshold
 
 
-def set_match(cost: CostModel, match: float) -> None:
-    """The pooled lookup match rate, at every age stratum."""
-    cost.lookup_match = [match] * len(cost.lookup_match)
-
-
-def set_pooled(cost: CostModel, proposer: str, alpha: list[float]) -> None:
-    """A pooled acceptance estimate (the prompt lookup's at every age stratum)."""
-    for acc in cost.lookup if proposer == "ngram" else [cost.pooled[proposer]]:
-        acc.alpha = list(alpha)
-
-
 def seeded(draft_step_s: float) -> CostModel:
     """A cost model as replicas' profiles seed it: the target's forward 20 ms + 2 ms a row
     + 0.5 ms a draft token (drafts ride along in a row's forward), the drafter's step
@@ -187,7 +176,7 @@ def test_a_batch_that_does_not_draft_yet_is_not_stuck_there():
     # and stays plain where the prompt lookup is known not to match
     for match in (0.5, 0.0):  # the prior; a lookup that never matched
         dear = plain_batch(0.03)
-        set_match(dear.cost, match)
+        dear.cost.lookup_match = match
         plan = dear.choose(state())
         assert plan.proposer != "draft" and (plan.k == 0) == (match == 0)
 
@@ -210,14 +199,14 @@ def test_a_batch_shares_prompt_lookup_where_it_pays():
     plans = [policy.choose(st) for policy, st in zip(rows, sts, strict=True)]
     assert plans[0] == plans[1] and plans[0].proposer == "ngram" and plans[0].k > 0
     assert all(p.blind_lookup for p in rows)
-    before = cost.lookup_match[0]
+    before = cost.lookup_match
     sts[0] = state(NO_MATCH)  # the text moves on: no lookup finds anything any more
     for _ in range(120):  # the lookups come back empty: the rate falls, the batch leaves them
         for policy, st in zip(rows, sts, strict=True):
             plan = policy.choose(st)
             policy.observe(st, outcome(plan, 0, batch_size=8) if plan.proposer != "ngram"
                            else _empty(plan))
-    assert cost.lookup_match[0] < before / 5  # (searched every LOOKUP_EVERY-th round once left)
+    assert cost.lookup_match < before / 5  # (searched every LOOKUP_EVERY-th round once left)
     assert all(policy.choose(st).proposer != "ngram" for policy, st in zip(rows, sts,
                                                                           strict=True))
 
@@ -243,10 +232,8 @@ def test_a_batch_learns_the_prompt_lookup_it_did_not_choose():
     from specserve.core.ngram import propose_ngram
 
     cost = seeded(0.006)
-    set_pooled(cost, "ngram", [0.2] * K)  # an unlucky start
+    cost.pooled["ngram"].alpha = [0.2] * len(cost.pooled["ngram"].alpha)  # an unlucky start
     rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(2)]
-    for policy in rows:  # past their first batch round (which searches too)
-        policy.batch_rounds = 1
     sts = [state(REPEATS * 3), state(REPEATS * 3)]
     found = propose_ngram(sts[0].committed, K)
     assert len(found) == K
@@ -263,7 +250,7 @@ def test_a_batch_learns_the_prompt_lookup_it_did_not_choose():
                                        plan.k), batch_size=8)
             policy.observe(st, replace(o, tokens=tuple(found[:len(o.tokens)])))
     assert next(p for p in plans if p) == "draft" and plans[-1] == "ngram"
-    assert cost.lookup[0].alpha[0] > 0.5  # (the rows' first output tokens: none here)
+    assert cost.pooled["ngram"].alpha[0] > 0.5
 
 
 def _empty(plan: Plan) -> RoundOutcome:
@@ -290,7 +277,7 @@ def test_a_lookup_round_learns_the_position_past_its_drafts():
     assert lookup_past_k([1, 2], [1, 2], [1, 2, 3]) is None  # the match ends at k
     assert lookup_past_k([1, 2, 3], [1, 5], [1, 5, 3]) is None  # not this search's drafts
     cost = seeded(0.006)
-    set_pooled(cost, "ngram", [0.9, 0.9, 0.2, 0.2])  # an unlucky start past k = 2
+    cost.pooled["ngram"].alpha = [0.9, 0.9, 0.2, 0.2]  # an unlucky start past k = 2
     policy, st = GoodputPolicy(cost, K, has_drafter=True), state(REPEATS * 3)
     found = propose_ngram(st.committed, K)
     plan = Plan("ngram", 2, "goodput")
@@ -299,8 +286,8 @@ def test_a_lookup_round_learns_the_position_past_its_drafts():
         o = outcome(plan, 2, batch_size=8)
         policy.observe(st, replace(o, proposal=replace(o.proposal, draft_tokens=found[:2]),
                                    tokens=tuple(found[:3])))
-    assert cost.lookup[0].alpha[2] > 0.5 and policy.own("ngram").alpha[2] > 0.8
-    assert cost.lookup[0].alpha[3] == 0.2  # never reached
+    assert cost.pooled["ngram"].alpha[2] > 0.5 and policy.own("ngram").alpha[2] > 0.8
+    assert cost.pooled["ngram"].alpha[3] == 0.2  # never reached
 
 
 def test_a_row_alone_takes_the_lookup_while_the_text_copies_an_earlier_passage():
@@ -511,16 +498,14 @@ def test_a_batch_scores_its_lookup_by_how_far_the_matches_reach():
     policy = GoodputPolicy(cost, K, has_drafter=True)
 
     def lookup(k: int, match: float | None = 0.8) -> Plan:
-        if match is not None:
-            set_match(cost, match)
-        return policy.score("ngram", k, 7, batch=match is not None)[1]
+        return policy.score("ngram", k, 7, cost.pooled, match)[1]
 
     assert lookup(4).expected > lookup(2).expected  # nothing seen: a match reaches k
     for _ in range(300):  # every match was two tokens long, both accepted
         blind_round(policy, K, 2, 2)
         cost.saw_lookup(False, 0, K)  # and some searches found none
     assert cost.match_len[:2] == [1.0, 1.0] and max(cost.match_len[2:K]) < 0.01
-    four, two = lookup(4, cost.lookup_match[0]), lookup(2, cost.lookup_match[0])
+    four, two = lookup(4, cost.lookup_match), lookup(2, cost.lookup_match)
     assert four.expected == pytest.approx(two.expected, rel=1e-3)
     assert four.cost_s == pytest.approx(two.cost_s, rel=1e-3)
     assert lookup(4, None).expected > lookup(2, None).expected  # a row's own 4-long match
@@ -545,8 +530,8 @@ def test_a_batch_lookups_tokens_are_not_its_reach_times_its_acceptance():
     for _ in range(300):
         blind_round(policy, K, 2, 2)
         blind_round(policy, K, 4, 0)
-    four = policy.score("ngram", K, 7, batch=True)[1]
-    assert cost.lookup_match[0] == pytest.approx(1.0) and cost.match_len[2] > 0.45
+    four = policy.score("ngram", K, 7, cost.pooled, cost.lookup_match)[1]
+    assert cost.lookup_match == pytest.approx(1.0) and cost.match_len[2] > 0.45
     assert four.expected == pytest.approx(2.0, abs=0.04)
 
 
@@ -926,7 +911,7 @@ def test_a_cold_batch_climbs_one_measured_draft_at_a_time(monkeypatch):
 
     def run(seed: int) -> list[Plan]:
         cost = seeded(0.0002)
-        set_match(cost, 0.0)  # draft model or nobody
+        cost.lookup_match = 0.0  # draft model or nobody
         rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(16)]
         sts = [state() for _ in rows]
         rng, ks = random.Random(seed), []
@@ -1011,7 +996,7 @@ def test_a_batch_tries_the_plan_one_draft_down_and_its_measured_time_decides():
         cost.ticks = 10**6  # k = 3 was measured here long ago, at the model's price
         cost.measured[("draft", 3, 4)] = pol._Measured(deque([0.05] * 8, maxlen=8), 4, 0.05,
                                                        n=8, ratio=1.0)
-        set_match(cost, 0.0)  # draft model or nobody
+        cost.lookup_match = 0.0  # draft model or nobody
         cost.pooled["draft"].alpha = [0.95] * len(cost.pooled["draft"].alpha)
         rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
         sts = [state() for _ in rows]
@@ -1055,7 +1040,7 @@ def test_a_plan_one_down_never_measured_near_a_held_load_is_tried_at_once():
     def run(seed: int, load: float) -> tuple[list[Plan], list[int]]:
         cost = seeded(0.0002)
         cost.rows, cost.load, cost.batch_plan = 4, load, ("draft", 4)
-        set_match(cost, 0.0)  # draft model or nobody
+        cost.lookup_match = 0.0  # draft model or nobody
         cost.pooled["draft"].alpha = [0.7] * len(cost.pooled["draft"].alpha)
         rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
         sts = [state() for _ in rows]
@@ -1099,7 +1084,7 @@ def test_a_proposer_the_batches_stopped_choosing_is_tried_again(monkeypatch):
         if not relax:
             monkeypatch.setattr(pol, "RELAX_ROUNDS", 10**9)
         cost = seeded(0.002)
-        set_match(cost, 0.0)  # the prompt lookup never matches: draft model or nobody
+        cost.lookup_match = 0.0  # the prompt lookup never matches: draft model or nobody
         cost.pooled["draft"].alpha = [0.1] * len(cost.pooled["draft"].alpha)
         cost.rows, cost.load = 8, 8.0
         rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(8)]
@@ -1131,12 +1116,12 @@ def test_a_proposer_read_above_its_prior_keeps_that_when_not_chosen():
     cost = CostModel()
     cost.rows = 8
     cost.pooled["draft"].alpha = [0.75] * len(cost.pooled["draft"].alpha)
-    set_pooled(cost, "ngram", [0.2] * K)
+    cost.pooled["ngram"].alpha = [0.2] * len(cost.pooled["ngram"].alpha)
     for _ in range(8 * 4 * pol.RELAX_ROUNDS):  # four half-lives of batch rounds, unobserved
         cost.rounds += 1
         cost.relax()
     assert cost.pooled["draft"].alpha[0] == pytest.approx(0.75)  # above: kept
-    low = min(acc.alpha[0] for acc in cost.lookup)
+    low = cost.pooled["ngram"].alpha[0]
     assert pol.PRIOR_ACCEPTANCE["ngram"] - low < 0.1 * (pol.PRIOR_ACCEPTANCE["ngram"] - 0.2)
 
 
@@ -1341,14 +1326,12 @@ def test_a_batch_tries_the_other_proposer_never_measured_near_a_held_load():
     def run(seed: int, match: float) -> list[Plan]:
         cost = seeded(0.0002)
         cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("draft", 2)
-        set_match(cost, match)
+        cost.lookup_match = match
         alpha = {"draft": 0.7, "ngram": 0.5}
         for p, a in alpha.items():
-            set_pooled(cost, p, [a] * K)
+            cost.pooled[p].alpha = [a] * len(cost.pooled[p].alpha)
         rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
         sts = [state() for _ in rows]
-        for policy in rows:  # past their first batch round (which searches)
-            policy.batch_rounds = 1
         rng, plans = random.Random(seed), []
         for i in range(3 * pol.TRY_AFTER):  # batch rounds
             for policy, st in zip(rows, sts, strict=True):
@@ -1381,9 +1364,9 @@ def test_a_batch_tries_the_other_proposer_at_a_load_not_at_every_k():
 
     cost = seeded(0.0002)
     cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("ngram", 3)
-    set_match(cost, 0.9)
+    cost.lookup_match = 0.9
     for p in ("draft", "ngram"):
-        set_pooled(cost, p, [0.7] * K)
+        cost.pooled[p].alpha = [0.7] * len(cost.pooled[p].alpha)
     for _ in range(3 * 4):  # the draft model's k = 2, three batch rounds at this load
         cost.observe(replace(outcome(Plan("draft", 2, "goodput"), 1, batch_size=4,
                                      others_drafts=6), round_s=0.05))
@@ -1424,9 +1407,9 @@ def test_a_plan_left_in_a_burst_is_measured_again_and_taken_back():
     def run(seed: int, burst: float) -> tuple[list[Plan], int]:
         cost = seeded(0.0002)
         cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("draft", 2)
-        set_match(cost, 0.6)
+        cost.lookup_match = 0.6
         for p, a in alpha.items():
-            set_pooled(cost, p, [a] * K)
+            cost.pooled[p].alpha = [a] * len(cost.pooled[p].alpha)
         rows = [GoodputPolicy(cost, 2, has_drafter=True) for _ in range(4)]
         sts = [state() for _ in rows]
         rng, plans, marked = random.Random(seed), [], 0
