@@ -557,26 +557,12 @@ class CostModel:
         prediction a batch at c=24 moved from a measured plan to draft:4 and draft:3,
         never measured, at 0.73-0.86 s a round where draft_k2's took 0.46. With none
         measured, it is tried on the model's word; a plan found dear is tried again once
-        the evidence has aged. With none near this load, the same search at the nearest
-        load where one was (``_far``): a batch carries its plan into a heavier load, where
-        the bare prediction priced the draft model's k = 4 that made 2.6 tokens in 410-470
-        ms a round at c=16-24 (its ratio at c=8 was known) over the lookup's k = 3 at
-        180 (docs/benchmarks.md, "An eighth reading of the sixth machine")."""
-        for x in (*self._near(proposer, k, b, below=True), *self._far(proposer, k, b)):
+        the evidence has aged."""
+        for x in self._near(proposer, k, b, below=True):
             if x.ratio is not None:
                 return 1.0 + (x.ratio - 1.0) * 0.5 ** ((self.ticks - x.tick)
                                                        / (RATIO_HALF_LIFE * b))
         return 1.0
-
-    def _far(self, proposer: str | None, k: int, b: int) -> Iterator[_Measured]:
-        """The plan's measured times with a ratio at any load, nearest on the grid first,
-        then those of its proposer's plans with fewer drafts, and spec-off's last (read
-        only where none near ``b`` had one: ``_correction``)."""
-        for j in range(k, -1, -1):
-            plan = (proposer if j else None, j)
-            yield from sorted((x for (p, i, nb), x in self.measured.items()
-                               if (p, i) == plan and x.ratio is not None),
-                              key=lambda x: abs(math.log(x.rows / b)))
 
     def _near(self, proposer: str | None, k: int, b: int,
               below: bool = False) -> Iterator[_Measured]:
