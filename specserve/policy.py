@@ -1032,7 +1032,7 @@ class GoodputPolicy:
                 c.plan_since = c.rounds - (TRY_AFTER - TRY_AGAIN) * rows
                 return home if home in scores else (None, 0)
             return current
-        if c.rising and current[1] and not c.seen_near(*current, rows):
+        if c.rising and current[0] == "draft" and not c.seen_near(*current, rows):
             # carried into a heavier load where it was never measured: climb again
             current = c.batch_plan = c.towards(current, (None, 0), rows)
             c.plan_since = c.rounds
