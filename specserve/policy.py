@@ -405,7 +405,6 @@ class CostModel:
     bursting: bool = False  # a burst of them arrived and more than one still waits (``burst``)
     load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     load_since: int = 0  # ``rounds`` when ``load`` last moved to another grid point (``_bucket``)
-    rising: bool = False  # and whether that move was to a heavier one
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
     plan_since: int = 0  # ``rounds`` when the batch's plan last changed or was tried against
     trying: tuple[tuple[str | None, int], tuple[str | None, int]] | None = None  # a try
@@ -492,10 +491,9 @@ class CostModel:
         return self.bursting
 
     def _move_load(self, load: float) -> None:
-        """Set ``load``, noting when it moves to another grid point (``load_since``) and
-        which way (``rising``)."""
+        """Set ``load``, noting when it moves to another grid point (``load_since``)."""
         if _bucket(load) != _bucket(self.load):
-            self.load_since, self.rising = self.rounds, _bucket(load) > _bucket(self.load)
+            self.load_since = self.rounds
         self.load = load
 
     def saw_lookup(self, matched: bool, length: int = 0, k: int = 0) -> None:
@@ -1032,10 +1030,6 @@ class GoodputPolicy:
                 c.plan_since = c.rounds - (TRY_AFTER - TRY_AGAIN) * rows
                 return home if home in scores else (None, 0)
             return current
-        if c.rising and current[0] == "draft" and not c.seen_near(*current, rows):
-            # carried into a heavier load where it was never measured: climb again
-            current = c.batch_plan = c.towards(current, (None, 0), rows)
-            c.plan_since = c.rounds
         recheck = c.recheck(rows)
         if recheck in scores and recheck != current:  # a plan left on a stretch of its rounds
             c.remeasure(*recheck, rows)
