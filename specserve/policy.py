@@ -115,8 +115,6 @@ TRY_ROUNDS = 8  # batch rounds a try lasts at most (its measurement needs MEASUR
 TRY_AGAIN = 4  # batch rounds after a try the batch took before it tries the next one down
 TRY_HELD = 4  # batch rounds the load held its grid point before a plan never measured
 # near it is tried at once (``try_down``)
-CARRIED_K = 2  # drafts a plan carried into a heavier load it was never measured near keeps
-# at most (``try_down``)
 LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many rounds (the
 # pooled match rate and acceptance). A search costs ~15 us with the index; every round was
 # measured worse (paired -0.018: the batches ran the lookup more; docs/benchmarks.md, "A
@@ -407,7 +405,6 @@ class CostModel:
     bursting: bool = False  # a burst of them arrived and more than one still waits (``burst``)
     load: float = 1.0  # the same smoothed over the batch's last rounds: what its plan is for
     load_since: int = 0  # ``rounds`` when ``load`` last moved to another grid point (``_bucket``)
-    rising: bool = False  # that move was to a heavier one, not yet seen by ``try_down``
     batch_plan: tuple[str | None, int] = (None, 0)  # what a batch's rows share (``in_batch``)
     plan_since: int = 0  # ``rounds`` when the batch's plan last changed or was tried against
     trying: tuple[tuple[str | None, int], tuple[str | None, int]] | None = None  # a try
@@ -494,10 +491,9 @@ class CostModel:
         return self.bursting
 
     def _move_load(self, load: float) -> None:
-        """Set ``load``, noting when it moves to another grid point (``load_since``) and
-        whether to a heavier one (``rising``)."""
+        """Set ``load``, noting when it moves to another grid point (``load_since``)."""
         if _bucket(load) != _bucket(self.load):
-            self.load_since, self.rising = self.rounds, _bucket(load) > _bucket(self.load)
+            self.load_since = self.rounds
         self.load = load
 
     def saw_lookup(self, matched: bool, length: int = 0, k: int = 0) -> None:
@@ -1022,14 +1018,6 @@ class GoodputPolicy:
         rounds, each a drafter catch-up of every row (rounds of 160-200 ms against the
         lookup's 70-100; docs/benchmarks.md, "A third machine").
 
-        A plan carried into a heavier load it was never measured near keeps its proposer and
-        at most ``CARRIED_K`` drafts: a batch climbs a measured draft every few batch rounds
-        (``CostModel.towards``) but comes down only by tries, after the load has held, and
-        one carried draft:4 from c=4 into c=8-24 at 400-470 ms a round where draft_k2's took
-        180. Climbing again from spec-off instead lost the proposer the batch had found with
-        the level's first seconds (paired +0.001; docs/benchmarks.md, "The eighth machine's
-        model again").
-
         And a plan the batch left on a stretch of its rounds (a burst of arrivals), one it
         would have kept at its usual measured time, is measured again ``TRY_AFTER`` batch
         rounds later, once, before any other try (``CostModel.leaving``)."""
@@ -1042,11 +1030,6 @@ class GoodputPolicy:
                 c.plan_since = c.rounds - (TRY_AFTER - TRY_AGAIN) * rows
                 return home if home in scores else (None, 0)
             return current
-        if c.rising:  # a heavier load
-            c.rising = False
-            if current[1] > CARRIED_K and not c.seen_near(*current, rows):
-                current = c.batch_plan = (current[0], CARRIED_K)
-                c.plan_since = c.rounds
         recheck = c.recheck(rows)
         if recheck in scores and recheck != current:  # a plan left on a stretch of its rounds
             c.remeasure(*recheck, rows)
