@@ -1020,26 +1020,15 @@ class GoodputPolicy:
 
         And a plan the batch left on a stretch of its rounds (a burst of arrivals), one it
         would have kept at its usual measured time, is measured again ``TRY_AFTER`` batch
-        rounds later, once, before any other try (``CostModel.leaving``).
-
-        No try runs in a burst of arrivals (``CostModel.burst``): a burst's rounds are
-        measured only where a step decoded alone, so a try in one lasts until the burst is
-        over or for ``TRY_ROUNDS`` batch rounds of the burst's dear rounds. A try begun as
-        one level's requests drained went on into the next level's burst: 12 of 88 auto
-        levels of one stop's runs began in a try, for 1-9 s (draft:3 at 840 ms a round for
-        3.3 s of a 15 s level, where ``draft_k2``'s rounds took 216), and those levels read
-        0.940x the best fixed configuration on average (docs/benchmarks.md)."""
+        rounds later, once, before any other try (``CostModel.leaving``)."""
         c = self.cost
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
         if c.trying is not None:
             tried, home = c.trying
-            if c.burst() or c.fresh_at(*tried, rows) is not None \
-                    or c.rounds - c.plan_since > TRY_ROUNDS * rows:
+            if c.fresh_at(*tried, rows) is not None or c.rounds - c.plan_since > TRY_ROUNDS * rows:
                 c.trying, c.batch_plan = None, home
                 c.plan_since = c.rounds - (TRY_AFTER - TRY_AGAIN) * rows
                 return home if home in scores else (None, 0)
-            return current
-        if c.burst():  # no try while a burst's prefills stall the rounds
             return current
         recheck = c.recheck(rows)
         if recheck in scores and recheck != current:  # a plan left on a stretch of its rounds
