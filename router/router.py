@@ -319,7 +319,7 @@ class Router:
         self.cost = CostModel()  # spec=auto: verify / draft / overhead times of its rounds
         self.priors = priors or PriorStore(None)  # spec=auto: the fleet's acceptance
         self._calibration: asyncio.Task | None = None  # replicas' profiles -> cost model
-        self.round_log = RoundLog(config.round_log) if config.round_log else None
+        self.round_log = RoundLog(config.round_log, self.cost) if config.round_log else None
 
     async def generate(self, req: GenerationRequest, request_id: str | None = None,
                        parent: Context | None = None,

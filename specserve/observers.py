@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.trace import Span
 
+    from specserve.policy import CostModel
     from specserve.service.metrics import RouterMetrics
 
 _CALL_SPANS = {"drafter": "propose", "target": "verify"}
@@ -273,10 +274,12 @@ class RoundLog(Observer):
     ``expected`` / ``predicted_s`` (the committed tokens and round time the plan was chosen
     on: spec=auto's cost model; 0 for a fixed mode), ``verify_compute_s`` /
     ``propose_compute_s`` (the replicas' own compute, which the cost model's fits learn
-    from; 0 in process, where no replica reports it)."""
+    from; 0 in process, where no replica reports it), ``burst`` (``CostModel.burst`` of
+    the router's cost model at the round's end; false without one)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, cost: CostModel | None = None):
         self.path = path
+        self.cost = cost
         try:
             self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         except OSError as e:
@@ -297,7 +300,8 @@ class RoundLog(Observer):
             "batch_tokens": v.batch_tokens, "batch_fed": v.batch_fed, "fed": o.caught_up,
             "expected": round(o.plan.expected, 4), "predicted_s": round(o.plan.cost_s, 6),
             "verify_compute_s": round(v.call.compute_s, 6),
-            "propose_compute_s": round(o.proposal.call.compute_s, 6)}) + "\n")
+            "propose_compute_s": round(o.proposal.call.compute_s, 6),
+            "burst": self.cost is not None and self.cost.burst()}) + "\n")
 
     def close(self) -> None:
         self._file.close()

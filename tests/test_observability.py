@@ -266,7 +266,7 @@ def test_the_round_log_has_every_round_of_every_request(builtin_pair, tmp_path):
 
     async def go() -> dict[str, dict]:
         svc = await start_inprocess(builtin_pair)
-        svc.router.round_log = RoundLog(str(path))
+        svc.router.round_log = RoundLog(str(path), svc.router.cost)
         try:
             async def one(rid: str) -> dict:
                 return [ch async for ch in svc.router.generate(reqs[rid], rid)][-1].stats
@@ -288,6 +288,8 @@ def test_the_round_log_has_every_round_of_every_request(builtin_pair, tmp_path):
         assert mine[0]["gap_s"] == 0 and all(r["gap_s"] > 0 for r in mine[1:])
         assert all(0 <= r["verify_compute_s"] <= r["verify_s"] for r in mine)
         assert all(r["propose_compute_s"] >= 0 for r in mine)
+    # the two arrived together into a quiet router: a burst until both had a round
+    assert lines[0]["burst"] and not lines[-1]["burst"]
     # what a plan was chosen on: auto's from its cost model, none for a fixed mode
     auto = [r for r in lines if r["request"] == "log-auto"]
     assert auto and all(r["expected"] >= 1 and r["predicted_s"] > 0 for r in auto
