@@ -410,6 +410,7 @@ class CostModel:
     trying: tuple[tuple[str | None, int], tuple[str | None, int]] | None = None  # a try
     # of the plan one draft down or of the other proposer's, and the plan to return to
     # (``GoodputPolicy.try_down``)
+    try_calm: bool = False  # that try began outside a burst of arrivals (``burst``)
     left: tuple[tuple[str | None, int], int, int] | None = None  # a plan the batch left on
     # a stretch of its rounds, its load and ``rounds`` then: to be measured again (``leaving``)
     # the batch's last decision per (has a drafter, K_max): ``rounds`` then, the rows it
@@ -1020,12 +1021,23 @@ class GoodputPolicy:
 
         And a plan the batch left on a stretch of its rounds (a burst of arrivals), one it
         would have kept at its usual measured time, is measured again ``TRY_AFTER`` batch
-        rounds later, once, before any other try (``CostModel.leaving``)."""
+        rounds later, once, before any other try (``CostModel.leaving``).
+
+        A try that a burst of arrivals (``CostModel.burst``) interrupts ends there: a
+        burst's rounds are measured only where a step decoded alone, so such a try went on
+        for ``TRY_ROUNDS`` batch rounds of the burst's dear rounds. A try begun as one
+        level's requests drained went on into the next level's burst: 12 of 88 auto levels
+        of one stop's runs began in a try, for 1-9 s (draft:3 at 840 ms a round for 3.3 s
+        of a 15 s level, where ``draft_k2``'s rounds took 216), and those levels read 0.940x
+        the best fixed configuration on average. A try begun within a burst goes on: with
+        no try started in a burst either, auto read -0.045 (standard error 0.033) against
+        this code over three pairs of runs (docs/benchmarks.md)."""
         c = self.cost
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
         if c.trying is not None:
             tried, home = c.trying
-            if c.fresh_at(*tried, rows) is not None or c.rounds - c.plan_since > TRY_ROUNDS * rows:
+            if (c.try_calm and c.burst()) or c.fresh_at(*tried, rows) is not None \
+                    or c.rounds - c.plan_since > TRY_ROUNDS * rows:
                 c.trying, c.batch_plan = None, home
                 c.plan_since = c.rounds - (TRY_AFTER - TRY_AGAIN) * rows
                 return home if home in scores else (None, 0)
@@ -1065,6 +1077,7 @@ class GoodputPolicy:
         c.plan_since = c.rounds
         if tried is not None:
             c.trying, c.batch_plan = (tried, current), tried
+            c.try_calm = not c.burst()
         return current
 
     def reproducible(self, state: RequestState, k_cap: int) -> Plan:

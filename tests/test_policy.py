@@ -1433,3 +1433,53 @@ def test_a_plan_left_in_a_burst_is_measured_again_and_taken_back():
         assert marked and all(p.proposer == "draft" and p.k == 2 for p in plans[-40:])
         plans, marked = run(seed, 1.0)
         assert marked == 0
+
+
+def test_a_burst_of_arrivals_ends_a_try_begun_before_it_and_not_one_begun_in_it():
+    """In a burst of arrivals a try's rounds are measured only where a step decoded alone,
+    so a try running when one comes (a level's requests drained, the next level's arrive
+    together) would run the burst's dear rounds until it is over: it ends at once. A try
+    begun within the burst (here the twelve never start) runs until it is measured."""
+    import random
+
+    import specserve.policy as pol
+
+    took = {4: 0.05, 3: 0.04, 2: 0.03, 1: 0.03, 0: 0.05}  # goodput best at k = 2
+    cost = seeded(0.0002)
+    cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("draft", 4)
+    cost.lookup_match = 0.0  # draft model or nobody
+    cost.pooled["draft"].alpha = [0.7] * len(cost.pooled["draft"].alpha)
+    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
+    sts = [state() for _ in rows]
+    rng = random.Random(0)
+
+    def batch_round() -> list[Plan]:
+        plans = []
+        for policy, st in zip(rows, sts, strict=True):
+            plan = policy.choose(st)
+            accepted = next((j for j in range(plan.k) if rng.random() >= 0.7), plan.k)
+            o = outcome(plan, accepted, batch_size=4, others_drafts=3 * plan.k)
+            policy.observe(st, replace(o, round_s=took[plan.k]))
+            plans.append(plan)
+        return plans
+
+    n = 1
+    while batch_round()[-1].reason != "explore":  # a try of the plan one down, at a held load
+        n += 1
+        assert n < pol.TRY_AFTER
+    assert cost.try_calm
+    cost.admitted(4)
+    for _ in range(4):  # the batch's own rows, started
+        cost.started()
+    cost.admitted(16)  # twelve arrive together
+    assert cost.burst()
+    first = batch_round()
+    assert not any(p.reason == "explore" for p in first)  # the try ended at once
+    during, calm = [], []
+    for _ in range(3 * pol.TRY_AFTER):
+        during += batch_round()
+        calm.append(cost.trying is not None and cost.try_calm)
+    assert cost.burst() and any(p.reason == "explore" for p in during) and not any(calm)
+    # a try begun in the burst ran until measured: more than one row's round of it
+    runs = "".join("e" if p.reason == "explore" else "." for p in during).split(".")
+    assert max(map(len, runs)) > 1
