@@ -1029,9 +1029,11 @@ class GoodputPolicy:
         level's requests drained went on into the next level's burst: 12 of 88 auto levels
         of one stop's runs began in a try, for 1-9 s (draft:3 at 840 ms a round for 3.3 s
         of a 15 s level, where ``draft_k2``'s rounds took 216), and those levels read 0.940x
-        the best fixed configuration on average. A try begun within a burst goes on: with
-        no try started in a burst either, auto read -0.045 (standard error 0.033) against
-        this code over three pairs of runs (docs/benchmarks.md)."""
+        the best fixed configuration on average. A try begun within a burst goes on:
+        ending every try in a burst and starting none there read -0.045 (standard error
+        0.033) over three pairs of runs, ending only the one a burst interrupts +0.005
+        (0.016), with 9.4 % of auto's round time in tries against 14.8 (docs/benchmarks.md,
+        "The same AMD EPYC model again")."""
         c = self.cost
         current = c.batch_plan if c.batch_plan in scores else (None, 0)
         if c.trying is not None:

@@ -26,7 +26,7 @@ from specserve.engine.generator import new_state
 from specserve.engine.lockstep import run_lockstep
 from specserve.engine.target import TargetEngine
 from specserve.policy import CostModel, GoodputPolicy, policy_for
-from specserve.rounds import FixedK, Plan, RoundOutcome
+from specserve.rounds import FixedK, Plan, RequestState, RoundOutcome
 
 K = 4
 NO_MATCH = list(range(100, 140))  # no repeated n-gram: the prompt lookup finds nothing
@@ -1047,12 +1047,7 @@ def test_a_plan_one_down_never_measured_near_a_held_load_is_tried_at_once():
         rng, plans, grid = random.Random(seed), [], []
         for _ in range(pol.TRY_AFTER):  # batch rounds
             grid.append(pol._bucket(cost.load))
-            for policy, st in zip(rows, sts, strict=True):
-                plan = policy.choose(st)
-                accepted = next((j for j in range(plan.k) if rng.random() >= 0.7), plan.k)
-                o = outcome(plan, accepted, batch_size=4, others_drafts=3 * plan.k)
-                policy.observe(st, replace(o, round_s=took[plan.k]))
-            plans.append(plan)
+            plans.append(_batch_round(rows, sts, rng, took)[-1])
         return plans, grid
 
     tries = 0
@@ -1454,14 +1449,7 @@ def test_a_burst_of_arrivals_ends_a_try_begun_before_it_and_not_one_begun_in_it(
     rng = random.Random(0)
 
     def batch_round() -> list[Plan]:
-        plans = []
-        for policy, st in zip(rows, sts, strict=True):
-            plan = policy.choose(st)
-            accepted = next((j for j in range(plan.k) if rng.random() >= 0.7), plan.k)
-            o = outcome(plan, accepted, batch_size=4, others_drafts=3 * plan.k)
-            policy.observe(st, replace(o, round_s=took[plan.k]))
-            plans.append(plan)
-        return plans
+        return _batch_round(rows, sts, rng, took)
 
     n = 1
     while batch_round()[-1].reason != "explore":  # a try of the plan one down, at a held load
@@ -1483,3 +1471,17 @@ def test_a_burst_of_arrivals_ends_a_try_begun_before_it_and_not_one_begun_in_it(
     # a try begun in the burst ran until measured: more than one row's round of it
     runs = "".join("e" if p.reason == "explore" else "." for p in during).split(".")
     assert max(map(len, runs)) > 1
+
+
+def _batch_round(rows: list[GoodputPolicy], sts: list[RequestState], rng,
+                 took: dict[int, float]) -> list[Plan]:
+    """One batch round of rows that share a cost model: each row's plan, its drafts
+    accepted at 0.7 a position, its round taking ``took[k]``."""
+    plans = []
+    for policy, st in zip(rows, sts, strict=True):
+        plan = policy.choose(st)
+        accepted = next((j for j in range(plan.k) if rng.random() >= 0.7), plan.k)
+        o = outcome(plan, accepted, batch_size=len(rows), others_drafts=(len(rows) - 1) * plan.k)
+        policy.observe(st, replace(o, round_s=took[plan.k]))
+        plans.append(plan)
+    return plans
