@@ -275,7 +275,13 @@ class RoundLog(Observer):
     on: spec=auto's cost model; 0 for a fixed mode), ``verify_compute_s`` /
     ``propose_compute_s`` (the replicas' own compute, which the cost model's fits learn
     from; 0 in process, where no replica reports it), ``burst`` (``CostModel.burst`` of
-    the router's cost model at the round's end; false without one)."""
+    the router's cost model at the round's end; false without one), and on the first line
+    after a batch decided its plan (spec=auto), ``decision``: ``at`` (the cost model's round
+    count), ``rows``, ``plan`` (kept or taken, ``draft:2`` / ``ngram:1`` / ``off``),
+    ``overhead_ms`` (the rest of a round the model adds to every plan's time) and
+    ``scores``, per plan [goodput in tokens/s, how its time was priced (``m`` measured at
+    this load lately, ``c`` the model's times a ratio measured near it, ``p`` the model's
+    alone), the measured mean's relative standard error]."""
 
     def __init__(self, path: str, cost: CostModel | None = None):
         self.path = path
@@ -286,6 +292,7 @@ class RoundLog(Observer):
             raise ValueError(f"router.round_log: cannot append to {path!r} ({e.strerror}); "
                              "give a writable file on the router's node") from None
         self._pid = os.getpid()
+        self._logged: dict | None = None  # the last decision written
 
     def round_end(self, state: RequestState, o: RoundOutcome) -> None:
         v = o.verdict
@@ -301,7 +308,15 @@ class RoundLog(Observer):
             "expected": round(o.plan.expected, 4), "predicted_s": round(o.plan.cost_s, 6),
             "verify_compute_s": round(v.call.compute_s, 6),
             "propose_compute_s": round(o.proposal.call.compute_s, 6),
-            "burst": self.cost is not None and self.cost.burst()}) + "\n")
+            "burst": self.cost is not None and self.cost.burst(), **self._decision()}) + "\n")
+
+    def _decision(self) -> dict:
+        """The batch's decision (``CostModel.decision``) on the first line after it."""
+        d = self.cost.decision if self.cost is not None else None
+        if d is None or d is self._logged:
+            return {}
+        self._logged = d
+        return {"decision": d}
 
     def close(self) -> None:
         self._file.close()

@@ -317,6 +317,11 @@ def _window(b: int, ratio: float | None = None, tick: int = 0) -> _Measured:
     return _Measured(deque(maxlen=max(8, MEASURED_WINDOW * b)), rows=b, tick=tick, ratio=ratio)
 
 
+def _plan_name(plan: tuple[str | None, int]) -> str:
+    """A plan as the round log names it: ``draft:2``, ``ngram:1``, ``off``."""
+    return f"{plan[0]}:{plan[1]}" if plan[1] else "off"
+
+
 def _plan_key(plan: Plan) -> tuple[str | None, int]:
     """A plan as its measured times are kept: k = 0 is nobody, whoever was asked."""
     return (plan.proposer if plan.k else None, plan.k)
@@ -416,6 +421,8 @@ class CostModel:
     # the batch's last decision per (has a drafter, K_max): ``rounds`` then, the rows it
     # was for, the plan (``GoodputPolicy.in_batch``)
     decided: dict[tuple[bool, int], tuple[int, int, Plan]] = field(default_factory=dict)
+    # the batch's last decision, for the round log (``GoodputPolicy.explain``)
+    decision: dict | None = None
     # (proposer, k, load bucket) -> what a plan's last rounds took there; see ``round_s``
     measured: dict[tuple[str | None, int, int], _Measured] = field(default_factory=dict)
     ticks: int = 0  # rounds measured
@@ -965,6 +972,7 @@ class GoodputPolicy:
                 c.batch_plan = current = step
                 if not ended:  # (the one after a try keeps its ``TRY_AGAIN``)
                     c.plan_since = c.rounds
+        self.explain(scores, current, others + 1)
         if current[1] > 0:
             plan = scores[current][1]
             return replace(plan, reason="climb") if climb else plan
@@ -974,6 +982,25 @@ class GoodputPolicy:
                     key=lambda s: s[0])  # would it pay without the others?
         reason = "saturated" if alone[0] > self.score(None, 0, 0)[0] else "low_acceptance"
         return replace(scores[(None, 0)][1], reason=reason)
+
+    def explain(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
+                current: tuple[str | None, int], rows: int) -> None:
+        """Keep the batch's decision for the round log (``CostModel.decision``): the rows
+        it was for, the plan it kept or took, the round's overhead the model prices every
+        plan with (``overhead_s``), and every plan's goodput with how its time was
+        priced: ``m`` measured here lately (with the mean's relative standard error, the
+        noise in the margin), ``c`` the model's times a ratio measured near this load
+        (``CostModel._correction``), ``p`` the model's word alone."""
+        c = self.cost
+
+        def priced(plan: tuple[str | None, int]) -> list:
+            m = c.fresh_at(*plan, rows)
+            how = "m" if m is not None else "c" if c.seen_near(*plan, rows) else "p"
+            return [round(scores[plan][0], 2), how, round(m.rse, 3) if m else 0.0]
+
+        c.decision = {"at": c.rounds, "rows": rows, "plan": _plan_name(current),
+                      "overhead_ms": round(1e3 * c.overhead_s, 2),
+                      "scores": {_plan_name(plan): priced(plan) for plan in scores}}
 
     def try_down(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
                  rows: int) -> tuple[str | None, int]:

@@ -181,6 +181,22 @@ def test_a_batch_that_does_not_draft_yet_is_not_stuck_there():
         assert plan.proposer != "draft" and (plan.k == 0) == (match == 0)
 
 
+def test_a_batchs_decision_says_how_each_plan_was_priced():
+    """The round log's ``decision`` (``GoodputPolicy.explain``): every plan the batch
+    scored, with whether its time was measured at this load (spec-off, run two batch
+    rounds here) or the model's word (the drafts, never run), and the plan taken."""
+    policy = plain_batch(0.003)
+    plan = policy.choose(state())
+    d = policy.cost.decision
+    assert d is not None and d["rows"] == 8 and d["plan"] == f"{plan.proposer}:{plan.k}"
+    assert d["overhead_ms"] >= 0
+    assert set(d["scores"]) == {"off", *(f"{p}:{k}" for p in ("draft", "ngram")
+                                         for k in range(1, K + 1))}
+    assert d["scores"]["off"][1] == "m" and d["scores"]["off"][0] > 0
+    assert {d["scores"][f"draft:{k}"][1] for k in range(1, K + 1)} == {"p"}
+    assert d["scores"]["draft:1"][0] > d["scores"]["off"][0]  # why it climbs
+
+
 def test_a_batch_shares_prompt_lookup_where_it_pays():
     """In a batch the shared plan may be prompt lookup (every row asks, the rows with a
     match propose): chosen by the pooled lookup acceptance and match rate, which the rows
