@@ -286,6 +286,8 @@ class RoundLog(Observer):
     def __init__(self, path: str, cost: CostModel | None = None):
         self.path = path
         self.cost = cost
+        if cost is not None:
+            cost.explaining = True  # keep the batch's decisions for ``decision``
         try:
             self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         except OSError as e:

@@ -421,7 +421,9 @@ class CostModel:
     # the batch's last decision per (has a drafter, K_max): ``rounds`` then, the rows it
     # was for, the plan (``GoodputPolicy.in_batch``)
     decided: dict[tuple[bool, int], tuple[int, int, Plan]] = field(default_factory=dict)
-    # the batch's last decision, for the round log (``GoodputPolicy.explain``)
+    # the batch's last decision, kept only while a round log reads it (``explaining``, set
+    # by ``RoundLog``): 35-45 us of a decision's 100-150 on the router's loop (``explain``)
+    explaining: bool = False
     decision: dict | None = None
     # (proposer, k, load bucket) -> what a plan's last rounds took there; see ``round_s``
     measured: dict[tuple[str | None, int, int], _Measured] = field(default_factory=dict)
@@ -972,7 +974,8 @@ class GoodputPolicy:
                 c.batch_plan = current = step
                 if not ended:  # (the one after a try keeps its ``TRY_AGAIN``)
                     c.plan_since = c.rounds
-        self.explain(scores, current, others + 1)
+        if c.explaining:
+            self.explain(scores, current, others + 1)
         if current[1] > 0:
             plan = scores[current][1]
             return replace(plan, reason="climb") if climb else plan

@@ -186,6 +186,7 @@ def test_a_batchs_decision_says_how_each_plan_was_priced():
     scored, with whether its time was measured at this load (spec-off, run two batch
     rounds here) or the model's word (the drafts, never run), and the plan taken."""
     policy = plain_batch(0.003)
+    policy.cost.explaining = True  # (as a round log sets it)
     plan = policy.choose(state())
     d = policy.cost.decision
     assert d is not None and d["rows"] == 8 and d["plan"] == f"{plan.proposer}:{plan.k}"
@@ -195,6 +196,8 @@ def test_a_batchs_decision_says_how_each_plan_was_priced():
     assert d["scores"]["off"][1] == "m" and d["scores"]["off"][0] > 0
     assert {d["scores"][f"draft:{k}"][1] for k in range(1, K + 1)} == {"p"}
     assert d["scores"]["draft:1"][0] > d["scores"]["off"][0]  # why it climbs
+    quiet = plain_batch(0.003)  # no round log: nothing kept (it costs the router's loop)
+    assert quiet.choose(state()) == plan and quiet.cost.decision is None
 
 
 def test_a_batch_shares_prompt_lookup_where_it_pays():
