@@ -993,13 +993,17 @@ class GoodputPolicy:
         plan with (``overhead_s``), and every plan's goodput with how its time was
         priced: ``m`` measured here lately (with the mean's relative standard error, the
         noise in the margin), ``c`` the model's times a ratio measured near this load
-        (``CostModel._correction``), ``p`` the model's word alone."""
+        (``CostModel._correction``), ``p`` the model's word alone; then the expected
+        committed tokens a row and the round's time (ms) the goodput divides, so a close
+        call shows whether acceptance or time decided it."""
         c = self.cost
 
         def priced(plan: tuple[str | None, int]) -> list:
             m = c.fresh_at(*plan, rows)
             how = "m" if m is not None else "c" if c.seen_near(*plan, rows) else "p"
-            return [round(scores[plan][0], 2), how, round(m.rse, 3) if m else 0.0]
+            g, p = scores[plan]
+            return [round(g, 2), how, round(m.rse, 3) if m else 0.0, round(p.expected, 3),
+                    round(1e3 * p.cost_s, 2)]
 
         c.decision = {"at": c.rounds, "rows": rows, "plan": _plan_name(current),
                       "overhead_ms": round(1e3 * c.overhead_s, 2),

@@ -299,7 +299,7 @@ def test_the_round_log_has_every_round_of_every_request(builtin_pair, tmp_path):
                for r in lines if r["request"] == "log-draft")
     assert {r["spec"] for r in lines} == {"draft", "auto"}
     for d in (r["decision"] for r in lines if "decision" in r):  # a batch's, if it had one
-        assert d["plan"] in d["scores"] and {how for _, how, _ in d["scores"].values()} <= {
+        assert d["plan"] in d["scores"] and {how for _, how, *_ in d["scores"].values()} <= {
             "m", "c", "p"}
     assert next(r["k"] for r in lines if r["request"] == "log-draft") == 4
     est = round_time_estimates(lines)
