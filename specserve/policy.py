@@ -108,6 +108,8 @@ PREFILL_FED = 8  # a target step that fed more positions than its rows' drafts a
 PREFILLS_KEPT = 16  # the replies of the last this many such steps the cost model remembers
 SAME_STEP_NS = 5_000_000  # replies this close together came from one step
 LOAD_STEP = 0.2  # a batch's plan is scored at its rows smoothed over ~1 / LOAD_STEP rounds
+OVERHEAD_STEP = 0.1  # the round overhead's moving estimate weighs a batch round this much
+OVERHEAD_FLOOR_S = 0.005  # a round's overhead counts up to STALL x this, or x the estimate
 STALL = 3.0  # an online time above this many times the fit's prediction counts as this much
 TRY_AFTER = 24  # batch rounds on one plan before the batch tries the plan one draft down
 TRY_FLOOR = 0.85  # only if the model scores it this close to the plan
@@ -782,7 +784,12 @@ class CostModel:
             if p == "ngram" and (hops := o.proposal.call.hops()):  # not its wait behind
                 fixed -= hops[1]  # other rows' draft steps (a batch sharing it has none)
             self.call_s[p] = _ema_low(self.call_s.get(p), max(0.0, fixed))
-        self.overhead_s = _ema(self.overhead_s, max(0.0, o.round_s - o.propose_s - verify))
+        # per batch round, not per row (every row of a batch reports the same round), and a
+        # stalled round counts as STALL x the usual: one slow round no longer re-prices
+        # every plan, which moved the batch between proposers on noise
+        rest = min(max(0.0, o.round_s - o.propose_s - verify),
+                   STALL * max(self.overhead_s, OVERHEAD_FLOOR_S))
+        self.overhead_s = _ema(self.overhead_s, rest, OVERHEAD_STEP / max(1, v.batch_size))
         self._measure(o, steady)
         if v.batch_size > 0:
             self._prefilled(v)
@@ -1094,8 +1101,9 @@ class GoodputPolicy:
         def worth(plan: tuple[str | None, int]) -> bool:  # scored within TRY_FLOOR
             return plan in scores and scores[plan][0] >= TRY_FLOOR * scores[current][0]
 
-        if held and worth(across) and not any(c.seen_near(other, j, rows)
-                                              for j in range(1, self.k_max + 1)):
+        # (one expecting no more than spec-off's token, a lookup that never matches, is not)
+        if held and worth(across) and scores[across][1].expected > 1.0 and not any(
+                c.seen_near(other, j, rows) for j in range(1, self.k_max + 1)):
             tried = across  # the other proposer, none of its plans measured near this load
         elif c.rounds - c.plan_since > TRY_AFTER * rows or (
                 # a plan never measured near a load held lately, below one measured there

@@ -870,8 +870,9 @@ def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch
     are measured at its load, and the batch tries the plan one draft down now and then
     (which the model overprices: the shared overhead carries the running plan's slowdown),
     so its shared k comes down to one whose measured goodput is best (truth: k = 1, k = 2
-    within 3 %), whatever the acceptance draws (seeds); the model alone keeps k = 4 in
-    most."""
+    within 3 %), whatever the acceptance draws (seeds). The model alone stays for good at
+    the k its first rounds take, k = 3 in some seeds (its overhead then carries k = 3's
+    slowdown, which prices k = 3 cheaper a token), 19 % below."""
     import random
 
     import specserve.policy as pol
@@ -907,10 +908,13 @@ def test_a_batch_under_load_settles_on_the_k_its_rounds_measure_best(monkeypatch
 
     late_m = [run(True, seed)[-16 * 20:] for seed in range(6)]
     late_model = [run(False, seed)[-16 * 20:] for seed in range(6)]
-    assert sum(p.k == 4 for late in late_model for p in late) > 0.5 * 6 * 16 * 20
+    stuck = [i for i, late in enumerate(late_model) if all(p.k >= 3 for p in late)]
+    assert stuck  # (seeds 1 and 2; before the steadier overhead, k = 4 in most seeds)
     for late in late_m:  # (before the tries, seed 1 stayed at k = 3 for good)
         assert sum(1 <= p.k <= 2 for p in late) > 0.7 * len(late)
-    assert sum(map(goodput, late_m)) > 1.15 * sum(map(goodput, late_model))
+    for i in stuck:
+        assert goodput(late_m[i]) > 1.15 * goodput(late_model[i])
+    assert sum(map(goodput, late_m)) > sum(map(goodput, late_model))
 
 
 def test_a_cold_batch_climbs_one_measured_draft_at_a_time(monkeypatch):
@@ -1334,8 +1338,9 @@ def test_a_batch_tries_the_other_proposer_never_measured_near_a_held_load():
     it, is tried (reason ``explore``) until measured; then the measured times decide. Here
     the lookup's rounds are cheaper (no drafter steps: 30 ms against 40-70) and commit 1.6
     tokens where the draft model's commit 2.2, 35 % more a second, yet the model alone
-    (before this try) kept the batch on the draft model for good; where the lookup finds
-    nothing (match rate 0) it is never tried."""
+    (before this try) kept the batch on the draft model for good (with the steadier round
+    overhead it may take a lookup plan for a round, not to keep it: the try still comes);
+    where the lookup finds nothing (match rate 0) it is never tried."""
     import random
 
     import specserve.policy as pol
@@ -1361,12 +1366,15 @@ def test_a_batch_tries_the_other_proposer_never_measured_near_a_held_load():
             plans.append(plan)
         return plans
 
+    explored = 0
     for seed in range(6):
         plans = run(seed, 0.7)
-        first = next(i for i, p in enumerate(plans) if p.proposer == "ngram")
-        assert plans[first].reason == "explore" and first <= pol.MEASURED_AFTER + pol.TRY_HELD + 3
-        assert all(p.proposer == "ngram" for p in plans[-pol.TRY_AFTER:])
-        assert all(p.proposer == "draft" for p in run(seed, 0.0))
+        kept = next(i for i in range(len(plans)) if all(p.proposer == "ngram"
+                                                        for p in plans[i:]))
+        assert kept <= pol.MEASURED_AFTER + pol.TRY_HELD + 3
+        explored += plans[kept].reason == "explore"
+        assert all(p.proposer != "ngram" for p in run(seed, 0.0))  # (spec-off: a try down)
+    assert explored >= 3  # (the others: taken on the model's word, seed 2 for good)
 
 
 def test_a_batch_tries_the_other_proposer_at_a_load_not_at_every_k():
@@ -1410,9 +1418,10 @@ def test_a_plan_left_in_a_burst_is_measured_again_and_taken_back():
     its usual measured time (the median of its windows) is measured again TRY_AFTER batch
     rounds later, and the measured times decide. Here draft:2 makes the most a second
     (48.8 tokens against 40 for draft:1 and 38 for the lookup), and every plan's rounds take
-    4x for 12 batch rounds: the batch leaves draft:2 in the burst and is back on it for the
-    last 40 of 120 batch rounds in every seed (before this, in 1 of 12). Without the burst
-    it never marks a plan to measure again."""
+    4x for 12 batch rounds: the batch leaves draft:2 in the burst and is back on it from
+    the 40th of 120 batch rounds on in every seed, but for a try of draft:1 now and then
+    (before this, on it for the last 40 in 1 of 12). Without the burst it never marks a
+    plan to measure again."""
     import random
 
     import specserve.policy as pol
@@ -1447,7 +1456,10 @@ def test_a_plan_left_in_a_burst_is_measured_again_and_taken_back():
     for seed in range(12):
         plans, marked = run(seed, 4.0)
         assert any(p.proposer != "draft" or p.k != 2 for p in plans[20:60])  # it left
-        assert marked and all(p.proposer == "draft" and p.k == 2 for p in plans[-40:])
+        assert marked
+        off = [p for p in plans[40:] if (p.proposer, p.k) != ("draft", 2)]
+        assert all((p.proposer, p.k, p.reason) == ("draft", 1, "explore") for p in off)
+        assert len(off) <= pol.TRY_ROUNDS
         plans, marked = run(seed, 1.0)
         assert marked == 0
 
