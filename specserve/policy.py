@@ -18,14 +18,17 @@ propose(R, k): the proposer's call, for the draft model k drafter steps over the
 drafting rows (c + d_row rows per step, likewise fitted and seeded), for prompt lookup its
 call alone; R: the rows of the verify replies' batches plus the target's queue, smoothed
 over the batch's last rounds, and never below the router's own requests in flight
-(``CostModel.load``, ``admitted``). A plan that has run lately at this load
-(on a grid: exact up to 4 rows, 25 % apart above) has its own measured round time, and that
-replaces time(k): the linear model misprices some plans (a draft's verify cost grows with
-the context; where the drafter and the target share CPUs, drafting slows the target's
-forward, which no term of the model has), so it proposes and the measurements decide
-(``CostModel.round_s``). The fit does not learn from a target step that had a prefill in it
-(its time is no function of rows and drafts: ``decoding``); a plan's measured time does
-(per round, a plan that commits more tokens has more arrivals' prefills in its steps).
+(``CostModel.load``, ``admitted``); overhead: the rest of a round beyond propose and verify
+compute, a moving average that weighs a batch round 0.1 (``OVERHEAD_STEP``), each round's
+rest counted up to ``STALL`` x the estimate (or ``OVERHEAD_FLOOR_S``). A plan that has run
+lately at this load (on a grid: exact up to 4 rows, 25 % apart above) has its own measured
+round time, and that replaces time(k): the linear model misprices some plans (a draft's
+verify cost grows with the context; where the drafter and the target share CPUs, drafting
+slows the target's forward, which no term of the model has), so it proposes and the
+measurements decide (``CostModel.round_s``). The fit does not learn from a target step
+that had a prefill in it (its time is no function of rows and drafts: ``decoding``); a
+plan's measured time does (per round, a plan that commits more tokens has more arrivals'
+prefills in its steps).
 
 Why the whole batch: the target's step waits for every row of its cohort, and the drafter
 serves the rows that draft together in one step, so drafting pays or costs per batch. A
