@@ -1050,7 +1050,8 @@ class GoodputPolicy:
         measured worse (docs/benchmarks.md).
 
         Likewise the other proposer's plan at the running k, if none of that proposer's
-        plans was measured near this load (and scored within ``TRY_FLOOR``), is tried as
+        plans was measured near this load (and scored within ``TRY_FLOOR``, expecting more
+        than spec-off's one token: a lookup that never matches is spec-off), is tried as
         soon as the running plan is measured there and the load has held: the batch climbs
         from spec-off along one proposer (a cold one, the draft model, whose prior is the
         higher), and the other one's first rung, priced by the model against a measured
@@ -1104,7 +1105,6 @@ class GoodputPolicy:
         def worth(plan: tuple[str | None, int]) -> bool:  # scored within TRY_FLOOR
             return plan in scores and scores[plan][0] >= TRY_FLOOR * scores[current][0]
 
-        # (one expecting no more than spec-off's token, a lookup that never matches, is not)
         if held and worth(across) and scores[across][1].expected > 1.0 and not any(
                 c.seen_near(other, j, rows) for j in range(1, self.k_max + 1)):
             tried = across  # the other proposer, none of its plans measured near this load
