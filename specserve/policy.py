@@ -93,8 +93,10 @@ POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its request
 DRAFT_PROFILE_WEIGHT = 4  # observations per point of a drafter's start-up profile
 HYSTERESIS = 0.03  # a batch's shared plan changes only for a better score by this much
 CATCH_UP = 0.10  # and to the draft model from another plan by this much more (see in_batch)
-NOISE_Z = 1.0  # and by this many standard errors of the two plans' measured times more
+NOISE_Z = 1.0  # and by this many standard errors of the two plans' measured times and
+# expected tokens more
 PRIOR_MATCH = 0.5  # before any observation: the share of prompt lookups that find a match
+MATCH_STEP = 0.05  # the weight of a search in the moving share of those that matched
 MEASURED_AFTER = 2  # batch rounds of a plan at a load before its measured time replaces
 # the model's prediction (``CostModel.round_s``)
 MEASURED_STALE = 32  # a plan's measured time older than this many batch rounds expires
@@ -135,6 +137,11 @@ class Acceptance:
         self.alpha = list(prior)
         self.seen = [0] * len(prior)
         self.min_step = min_step
+        # per position, the sum of the squared weights of the observations in the
+        # estimate: its variance over alpha (1 - alpha). The prior counts as exact: a
+        # position not observed yet is scored on the prior's word, as a plan not measured
+        # is on the model's (``GoodputPolicy._acceptance_se``)
+        self.w2 = [0.0] * len(prior)
 
     def observe(self, drafted: int, accepted: int) -> None:
         for i in range(min(drafted, accepted + 1, len(self.alpha))):  # positions reached
@@ -146,11 +153,15 @@ class Acceptance:
             self.seen[i] += 1
             step = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), self.min_step)
             self.alpha[i] += step * (float(accepted) - self.alpha[i])
+            self.w2[i] = (1.0 - step) ** 2 * self.w2[i] + step * step
 
     def relax(self, prior: float, w: float) -> None:
         """Forget a share ``w`` of what was learned below ``prior``: each position under it
         moves that much of the way back up (``CostModel.relax``)."""
-        self.alpha = [a + w * max(0.0, prior - a) for a in self.alpha]
+        for i, a in enumerate(self.alpha):
+            if a < prior:
+                self.alpha[i] = a + w * (prior - a)
+                self.w2[i] *= (1.0 - w) ** 2
 
     def expected(self, k: int) -> float:
         """Expected committed tokens of a round with k drafts (accepted + the extra one)."""
@@ -159,6 +170,23 @@ class Acceptance:
             run *= a
             total += run
         return total
+
+    def gradient(self, k: int) -> list[float]:
+        """d expected(k) / d alpha_i for i < k: the drafts from i + 1 on reached (each
+        j > i reached with the product of alpha_l, l < j, but alpha_i)."""
+        out = []
+        for i in range(min(k, len(self.alpha))):
+            total, run = 0.0, 1.0
+            for j in range(k):  # run: the product of alpha_l over l <= j, l != i
+                run *= self.alpha[j] if j != i else 1.0
+                total += run if j >= i else 0.0
+            out.append(total)
+        return out
+
+    def variance(self, i: int) -> float:
+        """The variance of the estimate of alpha_i (Bernoulli observations, weighted)."""
+        a = self.alpha[i]
+        return a * (1.0 - a) * self.w2[i]
 
 
 def _dot(coefs: Sequence[float], x: Sequence[float]) -> float:
@@ -404,6 +432,7 @@ class CostModel:
     # the share of prompt lookups that found a match, over the rounds that searched without
     # knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th and its lookup plans)
     lookup_match: float = PRIOR_MATCH
+    match_w2: float = 0.0  # its observations' squared weights' sum (``Acceptance.w2``)
     # the same searches' match lengths: per draft position j, the share of matches that
     # reach it (as far as each search's k saw); position 0 is every match's. A batch's
     # lookup plan with k drafts proposes only as many as a row's match has: the drafts the
@@ -513,7 +542,8 @@ class CostModel:
 
     def saw_lookup(self, matched: bool, length: int = 0, k: int = 0) -> None:
         """A prompt lookup searched for up to ``k`` tokens, and the ``length`` it found."""
-        self.lookup_match = _ema(self.lookup_match, float(matched), 0.05)
+        self.lookup_match = _ema(self.lookup_match, float(matched), MATCH_STEP)
+        self.match_w2 = (1.0 - MATCH_STEP) ** 2 * self.match_w2 + MATCH_STEP ** 2
         if matched:
             for j in range(1, min(k, MAX_K)):
                 self.match_len[j] = _ema(self.match_len[j], float(length > j), 0.05)
@@ -938,6 +968,9 @@ class GoodputPolicy:
         prefill: under load the errors were larger than the plans' differences, and the
         batch hopped among lookup k's every few seconds, a third of its rows' rounds
         changing plan); a plan priced by the model has none, so it is tried on its word.
+        Likewise the standard error of the two plans' expected tokens from the pooled
+        estimates' own noise (``_acceptance_se``): a batch took lookup k = 4 as the
+        lookup's pooled estimate swung, and ran it at 0.66x spec-off.
 
         Decided once a batch round (and again when the load moves to another grid point),
         by the first of its rows to ask, and taken by the others (capped by their budgets):
@@ -969,10 +1002,11 @@ class GoodputPolicy:
         current = self.try_down(scores, others + 1)
         if c.trying is not None:  # the batch's try (``explore``)
             return replace(scores.get(c.trying[0], scores[current])[1], reason="explore")
-        cur_noise = c.noise(*current, others + 1)
+        cur_noise, cur_sense = c.noise(*current, others + 1), self._sensitivity(current)
         better = [plan for plan in plans if scores[plan][0] > scores[current][0] * (
             1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0])
-            + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1)))]
+            + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1),
+                                   self._acceptance_se(plan, cur_sense)))]
         climb = False  # held below the best plan, which is out of reach (``towards``)
         if better:  # the best of those that clear their margin, or the rung towards it
             best = max(better, key=lambda plan: scores[plan][0])
@@ -995,6 +1029,41 @@ class GoodputPolicy:
                     key=lambda s: s[0])  # would it pay without the others?
         reason = "saturated" if alone[0] > self.score(None, 0, 0)[0] else "low_acceptance"
         return replace(scores[(None, 0)][1], reason=reason)
+
+    def _sensitivity(self, plan: tuple[str | None, int]) -> dict[tuple[str, int], float]:
+        """d log(expected tokens) / d x of a batch's plan, x each pooled estimate it is
+        scored on (``score``): the proposer's acceptance at each draft position, and for
+        the prompt lookup its match rate (``("match", 0)``), its tokens 1 + m (E - 1)."""
+        p, k = plan
+        if p is None or k == 0:
+            return {}
+        acc = self.cost.pooled[p]
+        m = self.cost.lookup_match if p == "ngram" else 1.0
+        e = acc.expected(k)
+        share = 1.0 + m * (e - 1.0)
+        out = {(p, i): m * g / share for i, g in enumerate(acc.gradient(k))}
+        if p == "ngram":
+            out[("match", 0)] = (e - 1.0) / share
+        return out
+
+    def _acceptance_se(self, plan: tuple[str | None, int],
+                       against: dict[tuple[str, int], float]) -> float:
+        """The standard error of log(plan's expected tokens / the running plan's) from the
+        pooled estimates' own noise (``against``: the running plan's ``_sensitivity``). A
+        pooled estimate is a moving one, a few dozen observations at each position and
+        fewer past the first, so two plans' expected tokens differ by chance as their
+        measured times do (``noise``); the plans of one proposer share its estimates, and
+        only where their sensitivities differ does the noise count."""
+        c, sense = self.cost, self._sensitivity(plan)
+        var = 0.0
+        for key in sense.keys() | against.keys():
+            d = sense.get(key, 0.0) - against.get(key, 0.0)
+            if d:
+                p, i = key
+                v = c.lookup_match * (1.0 - c.lookup_match) * c.match_w2 if p == "match" \
+                    else c.pooled[p].variance(i)
+                var += d * d * v
+        return math.sqrt(var)
 
     def explain(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
                 current: tuple[str | None, int], rows: int) -> None:

@@ -1314,6 +1314,69 @@ def test_a_batch_changes_plan_only_beyond_the_noise_of_the_measured_times(rse, s
     assert c.batch_plan == (("ngram", 2) if switches else ("ngram", 4))
 
 
+def test_a_pooled_estimates_variance_and_its_expected_tokens_gradient():
+    """The pooled acceptance's noise, as the margin reads it: while the estimate is a plain
+    mean of the prior (``PRIOR_WEIGHT`` observations, counted exact) and n observations,
+    their squared weights sum to n / (n + PRIOR_WEIGHT)^2; at the floor step s they tend
+    to s / (2 - s); the gradient of the expected tokens is the finite difference's."""
+    from specserve.policy import POOLED_STEP, PRIOR_WEIGHT, Acceptance
+
+    acc = Acceptance([0.6] * K, POOLED_STEP)
+    for n in range(1, 41):
+        acc.observe_at(0, n % 3 > 0)
+        assert acc.w2[0] == pytest.approx(n / (n + PRIOR_WEIGHT) ** 2)
+    assert acc.w2[1] == acc.variance(1) == 0.0  # a position not observed: the prior's word
+    for n in range(2000):
+        acc.observe_at(0, n % 3 > 0)
+    assert acc.w2[0] == pytest.approx(POOLED_STEP / (2 - POOLED_STEP), rel=1e-3)
+    assert acc.variance(0) == pytest.approx(acc.alpha[0] * (1 - acc.alpha[0]) * acc.w2[0])
+    acc.alpha = [0.8, 0.7, 0.5, 0.3]
+    for k in range(1, K + 1):
+        for i, g in enumerate(acc.gradient(k)):
+            up = Acceptance(acc.alpha)
+            up.alpha[i] += 1e-6
+            assert g == pytest.approx((up.expected(k) - acc.expected(k)) / 1e-6, rel=1e-4)
+
+
+@pytest.mark.parametrize("plan, gain, switches", [
+    (("ngram", 2), 0.08, False),  # another proposer 8 % better: within the noise
+    (("ngram", 2), 0.15, True),
+    (("draft", 3), 0.08, True),  # the same proposer one draft up: shared estimates
+])
+def test_a_batch_changes_plan_only_beyond_the_noise_of_the_pooled_acceptance(
+        plan, gain, switches):
+    """Measured times alike and without noise, a plan scored better by the pooled
+    acceptance alone: the batch changes to it only beyond HYSTERESIS plus NOISE_Z standard
+    errors of the two plans' expected tokens. The lookup's match rate, a moving share of a
+    few dozen searches, is read within +-8 % (seen: a batch at c=24 took lookup k = 4 as
+    its pooled estimate swung, 2.6 -> 1.6 expected tokens in five decisions, at 0.66x
+    spec-off); the plans of one proposer share its estimates, so their noise cancels
+    where their sensitivities are alike."""
+    import random
+    from collections import deque
+
+    from specserve.policy import _bucket, _Measured
+
+    policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+    c = policy.cost
+    rng = random.Random(0)
+    for _ in range(400):  # every position well observed
+        for p, a in (("draft", 0.7), ("ngram", 0.6)):
+            drafted = K
+            accepted = next((i for i in range(K) if rng.random() > a), K)
+            c.observe_pooled(p, drafted, accepted)
+        c.saw_lookup(rng.random() < 0.6, 3, K)
+    c.rows, c.load, c.batch_plan, c.ticks = 16, 16.0, ("draft", 2), 100
+    for measured in (("draft", 2), plan):
+        c.measured[(*measured, _bucket(16))] = _Measured(deque([0.1]), rows=_bucket(16), n=10 ** 6,
+                                                         tick=100)
+    table = {("draft", 2): 100.0, plan: 100.0 * (1 + gain)}
+    policy.score = lambda p, k, others, *a, **kw: (table.get((p, k), 50.0),  # type: ignore
+                                                   Plan(p, k, "goodput"))
+    assert (policy.in_batch(K).proposer == plan[0]) == switches
+    assert c.batch_plan == (plan if switches else ("draft", 2))
+
+
 def test_a_measured_plans_noise_counts_a_batch_round_as_one_sample():
     """The standard error of a plan's measured mean: its rounds' spread over the square
     root of the batch rounds (a batch round's rows wait for one step: one sample)."""
