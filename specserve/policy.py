@@ -1050,10 +1050,11 @@ class GoodputPolicy:
                        against: dict[tuple[str, int], float]) -> float:
         """The standard error of log(plan's expected tokens / the running plan's) from the
         pooled estimates' own noise (``against``: the running plan's ``_sensitivity``). A
-        pooled estimate is a moving one, a few dozen observations at each position and
-        fewer past the first, so two plans' expected tokens differ by chance as their
-        measured times do (``noise``); the plans of one proposer share its estimates, and
-        only where their sensitivities differ does the noise count."""
+        pooled estimate is a moving one, about a hundred observations' worth at a
+        position at its floor step and fewer early, so two plans' expected tokens differ by
+        chance as their measured times do (``noise``); the plans of one proposer share its
+        estimates, and only where their sensitivities differ does the noise count
+        (docs/benchmarks.md, "The AMD EPYC of family 25, model 17 again")."""
         c, sense = self.cost, self._sensitivity(plan)
         var = 0.0
         for key in sense.keys() | against.keys():
