@@ -128,6 +128,12 @@ LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many 
 # sixth machine")
 
 
+def _squared_weights(w2: float, step: float) -> float:
+    """A moving estimate's sum of its observations' squared weights after one more
+    observation at ``step`` (its variance is that times one observation's)."""
+    return (1.0 - step) ** 2 * w2 + step * step
+
+
 class Acceptance:
     """Per-position conditional acceptance alpha_i = P(accept i | accepted 0..i-1) of one
     proposer for one request: a moving estimate that starts at ``prior`` (weight
@@ -153,7 +159,7 @@ class Acceptance:
             self.seen[i] += 1
             step = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), self.min_step)
             self.alpha[i] += step * (float(accepted) - self.alpha[i])
-            self.w2[i] = (1.0 - step) ** 2 * self.w2[i] + step * step
+            self.w2[i] = _squared_weights(self.w2[i], step)
 
     def relax(self, prior: float, w: float) -> None:
         """Forget a share ``w`` of what was learned below ``prior``: each position under it
@@ -543,7 +549,7 @@ class CostModel:
     def saw_lookup(self, matched: bool, length: int = 0, k: int = 0) -> None:
         """A prompt lookup searched for up to ``k`` tokens, and the ``length`` it found."""
         self.lookup_match = _ema(self.lookup_match, float(matched), MATCH_STEP)
-        self.match_w2 = (1.0 - MATCH_STEP) ** 2 * self.match_w2 + MATCH_STEP ** 2
+        self.match_w2 = _squared_weights(self.match_w2, MATCH_STEP)
         if matched:
             for j in range(1, min(k, MAX_K)):
                 self.match_len[j] = _ema(self.match_len[j], float(length > j), 0.05)
@@ -1003,10 +1009,11 @@ class GoodputPolicy:
         if c.trying is not None:  # the batch's try (``explore``)
             return replace(scores.get(c.trying[0], scores[current])[1], reason="explore")
         cur_noise, cur_sense = c.noise(*current, others + 1), self._sensitivity(current)
-        better = [plan for plan in plans if scores[plan][0] > scores[current][0] * (
-            1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0])
-            + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1),
-                                   self._acceptance_se(plan, cur_sense)))]
+        floor = scores[current][0] * (1 + HYSTERESIS)  # (the noise only for plans above it)
+        better = [plan for plan in plans if scores[plan][0] > floor and scores[plan][0] > (
+            scores[current][0] * (1 + HYSTERESIS + CATCH_UP * (plan[0] == "draft" != current[0])
+                                  + NOISE_Z * math.hypot(cur_noise, c.noise(*plan, others + 1),
+                                                         self._acceptance_se(plan, cur_sense))))]
         climb = False  # held below the best plan, which is out of reach (``towards``)
         if better:  # the best of those that clear their margin, or the rung towards it
             best = max(better, key=lambda plan: scores[plan][0])
