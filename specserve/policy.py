@@ -90,6 +90,9 @@ PRIOR_ACCEPTANCE = {"draft": 0.6, "ngram": 0.5}  # before any observation, fleet
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observations per position
 MIN_STEP = 0.1  # the moving estimate never weighs a new observation less than this
 POOLED_STEP = 0.02  # the same for the router's pooled estimate (all its requests' rounds)
+DRIFT_WINDOW = 16  # a pooled estimate keeps each position's last this many observations;
+DRIFT_MIN = 8  # from this many on, where their count accepted is this unlikely at the
+DRIFT_P = 1e-6  # estimate (either tail), it restarts from them (``Acceptance.restart``)
 DRAFT_PROFILE_WEIGHT = 4  # observations per point of a drafter's start-up profile
 HYSTERESIS = 0.03  # a batch's shared plan changes only for a better score by this much
 CATCH_UP = 0.10  # and to the draft model from another plan by this much more (see in_batch)
@@ -128,6 +131,15 @@ LOOKUP_EVERY = 8  # in a batch a row searches its prompt lookup every this many 
 # sixth machine")
 
 
+def _binomial_tail(n: int, x: int, a: float) -> float:
+    """P(X <= x) for x below n a, else P(X >= x), X ~ Binomial(n, a)."""
+    low = x < n * a
+    if abs(x - n * a) <= 2.0 * math.sqrt(n * a * (1.0 - a)) + 1.0:
+        return 1.0  # (most calls: nowhere near a tail)
+    js = range(0, x + 1) if low else range(x, n + 1)
+    return sum(math.comb(n, j) * a ** j * (1.0 - a) ** (n - j) for j in js)
+
+
 def _squared_weights(w2: float, step: float) -> float:
     """A moving estimate's sum of its observations' squared weights after one more
     observation at ``step`` (its variance is that times one observation's)."""
@@ -148,6 +160,10 @@ class Acceptance:
         # position not observed yet is scored on the prior's word, as a plan not measured
         # is on the model's (``GoodputPolicy._acceptance_se``)
         self.w2 = [0.0] * len(prior)
+        # a pooled estimate's last observations per position (``restart``); a request's own
+        # moves 0.1 an observation and needs none
+        self.recent = [deque(maxlen=DRIFT_WINDOW) for _ in prior] if min_step < MIN_STEP \
+            else None
 
     def observe(self, drafted: int, accepted: int) -> None:
         for i in range(min(drafted, accepted + 1, len(self.alpha))):  # positions reached
@@ -158,8 +174,35 @@ class Acceptance:
         if i < len(self.alpha):
             self.seen[i] += 1
             step = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), self.min_step)
+            if self.recent is not None:  # with the estimate it was made against
+                self.recent[i].append((accepted, self.alpha[i]))
             self.alpha[i] += step * (float(accepted) - self.alpha[i])
             self.w2[i] = _squared_weights(self.w2[i], step)
+
+    def restart(self) -> list[int]:
+        """Restart each position whose last observations (the last ``DRIFT_MIN``, 12 or
+        ``DRIFT_WINDOW`` of them: a change shows in the newest first) the estimate cannot have
+        made: their count accepted in a tail of its binomial below ``DRIFT_P``, at the estimate
+        before them (it moves towards them a little with each). It then starts from their mean, as
+        if it had seen only them (its next steps 1 / (n + ``PRIOR_WEIGHT``) down to its floor, its
+        variance a mean of n's, which widens a batch's margin on it:
+        ``GoodputPolicy._acceptance_se``). At the floor step a pooled estimate weighs a hundred
+        observations: a level's new requests, whose lookup matched nothing yet, ran lookup k = 4 at
+        1.07 tokens a round where the estimate, from the rows before, expected 2.2-3.2, for the
+        first second of a 4.5 s level before the batch left it (docs/benchmarks.md, "The Intel Xeon
+        of family 6, model 167 again"). Returns the positions restarted."""
+        out = []
+        for i, seen in enumerate(self.recent or ()):
+            last = list(seen)
+            for n in range(DRIFT_MIN, len(last) + 1, DRIFT_MIN // 2):  # the last n of them
+                x = sum(ok for ok, _ in last[-n:])
+                if _binomial_tail(n, x, last[-n][1]) < DRIFT_P:  # the estimate before them
+                    self.alpha[i] = (x + 0.5) / (n + 1.0)  # never 0 or 1: its variance is real
+                    self.seen[i], self.w2[i] = n, 1.0 / n
+                    seen.clear()
+                    out.append(i)
+                    break
+        return out
 
     def relax(self, prior: float, w: float) -> None:
         """Forget a share ``w`` of what was learned below ``prior``: each position under it
@@ -168,6 +211,8 @@ class Acceptance:
             if a < prior:
                 self.alpha[i] = a + w * (prior - a)
                 self.w2[i] *= (1.0 - w) ** 2
+                if self.recent is not None:  # what it forgets is not evidence against it
+                    self.recent[i].clear()
 
     def expected(self, k: int) -> float:
         """Expected committed tokens of a round with k drafts (accepted + the extra one)."""
@@ -1001,6 +1046,7 @@ class GoodputPolicy:
     def _decide(self, others: int) -> Plan:
         """The batch's plan for a batch of ``others`` and one row (``in_batch``)."""
         c = self.cost
+        restarted = [f"{p}:{i}" for p, acc in c.pooled.items() for i in acc.restart()]
         plans = [(None, 0), *((p, k) for p in ("draft", "ngram")[not self.has_drafter:]
                               for k in range(1, self.k_max + 1))]
         scores = {plan: self.score(*plan, others, c.pooled, c.lookup_match) for plan in plans}
@@ -1026,7 +1072,7 @@ class GoodputPolicy:
                 if not ended:  # (the one after a try keeps its ``TRY_AGAIN``)
                     c.plan_since = c.rounds
         if c.explaining:
-            self.explain(scores, current, others + 1)
+            self.explain(scores, current, others + 1, restarted)
         if current[1] > 0:
             plan = scores[current][1]
             return replace(plan, reason="climb") if climb else plan
@@ -1074,7 +1120,7 @@ class GoodputPolicy:
         return math.sqrt(var)
 
     def explain(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
-                current: tuple[str | None, int], rows: int) -> None:
+                current: tuple[str | None, int], rows: int, restarted: list[str]) -> None:
         """Keep the batch's decision for the round log (``CostModel.decision``): the rows
         it was for, the plan it kept or took, the round's overhead the model prices every
         plan with (``overhead_s``), and every plan's goodput with how its time was
@@ -1095,6 +1141,8 @@ class GoodputPolicy:
         c.decision = {"at": c.rounds, "rows": rows, "plan": _plan_name(current),
                       "overhead_ms": round(1e3 * c.overhead_s, 2),
                       "scores": {_plan_name(plan): priced(plan) for plan in scores}}
+        if restarted:  # pooled positions this decision restarted (``Acceptance.restart``)
+            c.decision["restarted"] = restarted
 
     def try_down(self, scores: dict[tuple[str | None, int], tuple[float, Plan]],
                  rows: int) -> tuple[str | None, int]:

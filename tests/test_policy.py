@@ -1338,6 +1338,85 @@ def test_a_pooled_estimates_variance_and_its_expected_tokens_gradient():
             assert g == pytest.approx((up.expected(k) - acc.expected(k)) / 1e-6, rel=1e-4)
 
 
+def test_a_pooled_estimate_restarts_where_its_last_observations_cannot_be_its_own():
+    """A pooled estimate at its floor step weighs a hundred observations; where its
+    newest ones (the last 8, 12 or 16 at a position) fall in a tail of its binomial below
+    DRIFT_P at the estimate before them, it restarts from them, with a mean's variance.
+    It seldom does on observations of its own rate (none in 3,000 batch rounds of 8 rows
+    at 0.3-0.9, up to 2 at 0.97, where the estimate's own noise is a tail), and a request's
+    own estimate (step 0.1) keeps no window. What relax forgets is not evidence. (A
+    smaller change, 0.8 -> 0.4, is left to the floor step: found in 16 observations or
+    fewer in 5 of 20 seeds.)"""
+    import random
+
+    from specserve.policy import DRIFT_WINDOW, MIN_STEP, POOLED_STEP, Acceptance
+
+    rng = random.Random(0)
+    for a in (0.3, 0.6, 0.8, 0.9, 0.97):
+        acc = Acceptance([0.6] * K, POOLED_STEP)
+        restarts = 0
+        for _ in range(3000):
+            for _row in range(8):
+                acc.observe(K, next((i for i in range(K) if rng.random() > a), K))
+            restarts += len(acc.restart())
+        assert restarts <= (2 if a > 0.95 else 0), a  # (near 1 its own estimate's noise)
+    for before, after in ((0.9, 0.2), (0.2, 0.9)):
+        acc = Acceptance([0.6] * K, POOLED_STEP)
+        for _ in range(2000):
+            acc.observe_at(0, rng.random() < before)
+        settled = acc.variance(0)
+        n = 0  # observations at the new rate until the position restarts
+        while n < 2 * DRIFT_WINDOW:
+            n += 1
+            acc.observe_at(0, rng.random() < after)
+            if acc.restart() == [0]:
+                break
+        assert n <= DRIFT_WINDOW
+        assert abs(acc.alpha[0] - after) < 0.2 and acc.variance(0) > 3 * settled
+        # the floor step alone would still be most of the way back at ``before``
+        assert abs(before + (1 - (1 - POOLED_STEP) ** n) * (after - before) - after) > 0.4
+    own = Acceptance([0.6] * K, MIN_STEP)
+    for _ in range(50):
+        own.observe_at(0, False)
+    assert own.recent is None and own.restart() == []
+    acc = Acceptance([0.6] * K, POOLED_STEP)
+    for _ in range(12):
+        acc.observe_at(0, False)
+    acc.relax(0.9, 0.5)  # moved back up: the rejections that put it low are spent
+    assert acc.restart() == [] and not acc.recent[0]
+
+
+def test_a_batch_leaves_a_lookup_its_newest_rounds_reject(monkeypatch):
+    """A batch on lookup k = 4 whose pooled estimate (learned over many rounds) expects
+    most of its drafts, and whose rows now find their lookup rejected (a level's new
+    requests, whose text has not repeated yet): it leaves for the draft model within a
+    few batch rounds, where the floor step alone (no restart) took several times as many."""
+    import random
+
+    from specserve import policy as mod
+
+    def rounds_to_leave() -> int:
+        policy = GoodputPolicy(CostModel(), K, has_drafter=True)
+        c, rng = policy.cost, random.Random(0)
+        for _ in range(400):
+            c.observe_pooled("ngram", K, next((i for i in range(K) if rng.random() > 0.9), K))
+            c.observe_pooled("draft", K, next((i for i in range(K) if rng.random() > 0.7), K))
+            c.saw_lookup(True, K, K)
+        c.rows, c.load, c.batch_plan = 4, 4.0, ("ngram", 4)
+        for n in range(1, 200):
+            c.rounds += 4  # a batch round of 4 rows: the next decision
+            if policy.in_batch(K).proposer != "ngram":
+                return n
+            for _row in range(4):
+                c.observe_pooled("ngram", K, 0)
+        return 200
+
+    fast = rounds_to_leave()
+    monkeypatch.setattr(mod, "DRIFT_P", 0.0)  # never restart
+    slow = rounds_to_leave()
+    assert fast <= 4 and slow >= 3 * fast, (fast, slow)
+
+
 @pytest.mark.parametrize("plan, gain, switches", [
     (("ngram", 2), 0.08, False),  # another proposer 8 % better: within the noise
     (("ngram", 2), 0.15, True),
