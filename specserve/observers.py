@@ -280,9 +280,11 @@ class RoundLog(Observer):
     count), ``rows``, ``plan`` (kept or taken, ``draft:2`` / ``ngram:1`` / ``off``),
     ``overhead_ms`` (the rest of a round the model adds to every plan's time) and
     ``scores``, per plan [goodput in tokens/s, how its time was priced (``m`` measured at
-    this load lately, ``c`` the model's times a ratio measured near it, ``p`` the model's
-    alone), the measured mean's relative standard error, the expected committed tokens a
-    row, the round time in ms]: the goodput is the rows' expected tokens over that time."""
+    this load lately, ``c`` the model's times a ratio measured near it, ``p`` never measured
+    near it: the model's, times a ratio of a plan with fewer drafts where there is one), the
+    measured mean's relative standard error, the expected committed tokens a row, the round
+    time in ms, the model's own time in ms]: the goodput is the rows' expected tokens over
+    that time."""
 
     def __init__(self, path: str, cost: CostModel | None = None):
         self.path = path

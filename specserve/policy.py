@@ -950,16 +950,28 @@ class GoodputPolicy:
         the router's searches' matches reach (``CostModel.match_len``)."""
         c, rows = self.cost, others + 1
         if proposer is None:
-            e, drafts = 1.0, 0.0
+            e = 1.0
         else:
             blind = proposer == "ngram" and match is not None
             m = match if blind and match is not None else 1.0  # (None: not blind)
             own = acceptance[proposer] if acceptance else self.own(proposer)
             e = 1.0 + m * (own.expected(k) - 1.0)
-            drafts = m * (sum(c.match_len[:k]) if blind else k)
-        t = c.round_s(proposer if k else None, k, rows, c.overhead_s + c.propose_s(
-            proposer, k, rows) + c.verify_s(rows, rows * (1 + drafts)))
+        t = c.round_s(proposer if k else None, k, rows, self.model_s(proposer, k, rows, match))
         return rows * e / t, Plan(proposer, k, "goodput", e, t)
+
+    def model_s(self, proposer: str | None, k: int, rows: int,
+                match: float | None = None) -> float:
+        """The model's round time for a batch of ``rows`` on this plan (``score``), before
+        any measurement or ratio prices it (``CostModel.round_s``)."""
+        c = self.cost
+        if proposer is None:
+            drafts = 0.0
+        elif proposer == "ngram" and match is not None:  # blind: as far as matches reach
+            drafts = match * sum(c.match_len[:k])
+        else:
+            drafts = float(k)
+        return c.overhead_s + c.propose_s(proposer, k, rows) + c.verify_s(
+            rows, rows * (1 + drafts))
 
     def best(self, cands: list[tuple[str, int]], others: int) -> Plan:
         """The best of ``cands`` and of nobody proposing."""
@@ -1126,17 +1138,20 @@ class GoodputPolicy:
         plan with (``overhead_s``), and every plan's goodput with how its time was
         priced: ``m`` measured here lately (with the mean's relative standard error, the
         noise in the margin), ``c`` the model's times a ratio measured near this load
-        (``CostModel._correction``), ``p`` the model's word alone; then the expected
-        committed tokens a row and the round's time (ms) the goodput divides, so a close
-        call shows whether acceptance or time decided it."""
+        (``CostModel._correction``), ``p`` never measured near it (the model's, times the
+        ratio of a plan with fewer drafts where one was); then the expected committed
+        tokens a row and the round's time (ms) the goodput divides, so a close call shows
+        whether acceptance or time decided it, and the model's own time (ms): the factor
+        the measurements put on the plan is the one over the other."""
         c = self.cost
 
         def priced(plan: tuple[str | None, int]) -> list:
             m = c.fresh_at(*plan, rows)
             how = "m" if m is not None else "c" if c.seen_near(*plan, rows) else "p"
             g, p = scores[plan]
+            model = self.model_s(*plan, rows, c.lookup_match)
             return [round(g, 2), how, round(m.rse, 3) if m else 0.0, round(p.expected, 3),
-                    round(1e3 * p.cost_s, 2)]
+                    round(1e3 * p.cost_s, 2), round(1e3 * model, 2)]
 
         c.decision = {"at": c.rounds, "rows": rows, "plan": _plan_name(current),
                       "overhead_ms": round(1e3 * c.overhead_s, 2),

@@ -196,8 +196,14 @@ def test_a_batchs_decision_says_how_each_plan_was_priced():
     assert d["scores"]["off"][1] == "m" and d["scores"]["off"][0] > 0
     assert {d["scores"][f"draft:{k}"][1] for k in range(1, K + 1)} == {"p"}
     assert d["scores"]["draft:1"][0] > d["scores"]["off"][0]  # why it climbs
-    for g, _, _, e, ms in d["scores"].values():  # the goodput is its rows' tokens / time
+    for g, _, _, e, ms, model in d["scores"].values():  # goodput: its rows' tokens / time
         assert e >= 1 and ms > 0 and g == pytest.approx(8 * e / ms * 1e3, rel=0.01)
+        assert model > 0
+    # the drafts, never measured, take spec-off's measured / model ratio (``_correction``)
+    off = d["scores"]["off"]
+    for k in range(1, K + 1):
+        _, _, _, _, ms, model = d["scores"][f"draft:{k}"]
+        assert ms / model == pytest.approx(off[4] / off[5], rel=0.01)
     assert d["scores"]["off"][3] == 1
     quiet = plain_batch(0.003)  # no round log: nothing kept (it costs the router's loop)
     assert quiet.choose(state()) == plan and quiet.cost.decision is None
