@@ -468,11 +468,12 @@ def test_a_bursts_rounds_are_not_a_plans_measured_time():
 
 def test_a_round_that_waited_behind_a_bursts_prefill_step_is_not_measured():
     """A row of another cohort whose own step was one of decoding, run after a burst's
-    prefill step, waited for that step in its round: while the burst lasts that round is
-    not the plan's time (at c=24 lookup k = 2 read 528 ms a round where its steps took 130
-    and priced the lookup out for the level's rest). A call that left after the prefill
-    step's reply, or one that came back before it, is measured; after the burst, one that
-    waited is too (a steady stream's prefills are a plan's cost)."""
+    prefill step, waited for that step in its round: that round is not the plan's time,
+    even if it came back after the burst ended (at c=24 lookup k = 2 read 528 ms a round
+    where its steps took 130 and priced the lookup out for the level's rest). A call that
+    left after the prefill step's reply, or one that came back before it, is measured;
+    after the burst, one that waited behind a later prefill step is too (a steady stream's
+    prefills are a plan's cost)."""
     from specserve.policy import _bucket
 
     cost = seeded(0.006)
@@ -502,8 +503,11 @@ def test_a_round_that_waited_behind_a_bursts_prefill_step_is_not_measured():
     for _ in range(8):
         cost.started()
     assert not cost.burst()
-    row(50, 1300)  # waited behind it, no burst now
-    assert measured() == 3
+    row(50, 1300)  # waited behind the burst's prefill step, back after the burst ended
+    assert measured() == 2
+    row(1400, 2500, prefill=40)  # a steady stream's arrival prefilled in a row's step
+    row(1300, 2510)  # out while that step ran: measured
+    assert measured() == 4
 
 
 def blind_round(policy: GoodputPolicy, k: int, found: int, accepted: int) -> None:
