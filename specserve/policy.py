@@ -789,9 +789,8 @@ class CostModel:
         v = o.verdict
         if v.batch_size <= 0 or o.round_s <= 0 or not steady \
                 or not measurable(o.round_no, o.caught_up) \
-                or (self.burst() and (not decoding(v.batch_fed, v.batch_tokens)
-                                      or self._waited(v.call, self.prefills))) \
-                or self._waited(v.call, self.burst_prefills):
+                or (self.burst() and not decoding(v.batch_fed, v.batch_tokens)) \
+                or self._waited(v.call, self.prefills if self.burst() else self.burst_prefills):
             return
         self.ticks += 1
         b = _bucket(self.load)
