@@ -489,6 +489,9 @@ class CostModel:
     # A pooled estimate not observed for a while goes back up towards its prior, so that a
     # proposer the batches stopped choosing is tried again (``relax``)
     pooled_at: dict[str, int] = field(default_factory=dict)  # proposer -> ``rounds`` then
+    # and ``starts`` then: no row of a batch that many requests on contributed (``stale``)
+    pooled_starts: dict[str, int] = field(default_factory=dict)
+    starts: int = 0  # the router's requests that had their first round (``started``)
     rounds: int = 0  # rounds observed (every row's)
     # the share of prompt lookups that found a match, over the rounds that searched without
     # knowing (rows alone, every round; in a batch, every LOOKUP_EVERY-th and its lookup plans)
@@ -532,11 +535,20 @@ class CostModel:
 
     def observe_pooled(self, proposer: str, drafted: int, accepted: int) -> None:
         self.pooled[proposer].observe(drafted, accepted)
-        self.pooled_at[proposer] = self.rounds
+        self.pooled_at[proposer], self.pooled_starts[proposer] = self.rounds, self.starts
 
     def observe_pooled_at(self, proposer: str, i: int, accepted: bool) -> None:
         self.pooled[proposer].observe_at(i, accepted)
-        self.pooled_at[proposer] = self.rounds
+        self.pooled_at[proposer], self.pooled_starts[proposer] = self.rounds, self.starts
+
+    def stale(self, proposer: str) -> bool:
+        """Whether the proposer's pooled acceptance is another batch's: a batch's worth of
+        the router's requests started since it was last observed, so likely none of the
+        rows now decoding contributed to it. The prompt lookup's is observed by the rows'
+        searches whatever the batch runs; the draft model's only where the batch drafts
+        with it, and a batch that carried the lookup from one workload into the next kept
+        the draft model's estimate from the text before (``GoodputPolicy.try_down``)."""
+        return self.starts - self.pooled_starts.get(proposer, 0) >= max(2, round(self.load))
 
     def lookup_ended(self, drafted: int, accepted: int, searched: int) -> None:
         """A prompt lookup's match of ``drafted`` tokens, searched for ``searched``: if it
@@ -583,6 +595,7 @@ class CostModel:
 
     def started(self) -> None:
         """One of the router's requests had its first round (or left before it)."""
+        self.starts += 1
         self.arriving = max(0, self.arriving - 1)
         self.bursting = self.bursting and self.arriving > 1
 
@@ -1225,7 +1238,12 @@ class GoodputPolicy:
         model prices the others (``CostModel._correction``): tried at every k the batch
         climbed to, on prose at c=8-24 the draft model's tries were 14-15 % of auto's
         rounds, each a drafter catch-up of every row (rounds of 160-200 ms against the
-        lookup's 70-100; docs/benchmarks.md, "A third machine").
+        lookup's 70-100; docs/benchmarks.md, "A third machine"). It is tried again, its
+        times here measured afresh, once its pooled acceptance is another batch's
+        (``CostModel.stale``): a batch that carried the lookup from prose into repetitive
+        text at c=4 scored the draft model on the prose rows' estimate and never tried it
+        (0.85-0.96x ``draft_k2``; docs/benchmarks.md, "The AMD EPYC of family 25, model 17
+        a fourth time").
 
         And a plan the batch left on a stretch of its rounds (a burst of arrivals), one it
         would have kept at its usual measured time, is measured again ``TRY_AFTER`` batch
@@ -1268,9 +1286,11 @@ class GoodputPolicy:
         def worth(plan: tuple[str | None, int]) -> bool:  # scored within TRY_FLOOR
             return plan in scores and scores[plan][0] >= TRY_FLOOR * scores[current][0]
 
-        if held and worth(across) and scores[across][1].expected > 1.0 and not any(
-                c.seen_near(other, j, rows) for j in range(1, self.k_max + 1)):
+        if held and worth(across) and scores[across][1].expected > 1.0 and (
+                c.stale(other) or not any(c.seen_near(other, j, rows)
+                                          for j in range(1, self.k_max + 1))):
             tried = across  # the other proposer, none of its plans measured near this load
+            c.remeasure(*across, rows)  # or its acceptance another batch's: until measured
         elif c.rounds - c.plan_since > TRY_AFTER * rows or (
                 # a plan never measured near a load held lately, below one measured there
                 held and not c.seen_near(*down, rows)):

@@ -1562,6 +1562,56 @@ def test_a_batch_tries_the_other_proposer_at_a_load_not_at_every_k():
     assert not any(p.proposer == "draft" and p.reason == "explore" for p in plans)
 
 
+def test_a_batch_tries_the_other_proposer_again_once_its_acceptance_is_another_batchs():
+    """The draft model's pooled acceptance is observed only where a batch drafts with it (the
+    lookup's, by every row's searches, whatever the batch runs). A batch that carried the
+    lookup from prose into repetitive text at c=4 kept the draft model's estimate from the
+    prose rows: it scored draft:2 at 1.96 tokens a round where its rounds made 2.17 (and
+    draft:3 2.66), never tried it, and ran the lookup for 75-85 % of the level (0.83-0.96x
+    ``draft_k2``). Once a batch's worth of requests has started since the draft model's
+    estimate was last observed (``CostModel.stale``), the batch tries it at the running k
+    (scored within ``TRY_FLOOR``), measured again; its rounds then decide. Here its rounds
+    are dearer than the lookup's for the same tokens: one try, and back to the lookup."""
+    import specserve.policy as pol
+
+    cost = seeded(0.0002)
+    cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("ngram", 3)
+    cost.lookup_match = 0.9
+    for p in ("draft", "ngram"):
+        cost.pooled[p].alpha = [0.7] * len(cost.pooled[p].alpha)
+    for _ in range(3 * 4):  # the draft model's k = 2 measured at this load, and observed
+        cost.observe(replace(outcome(Plan("draft", 2, "goodput"), 1, batch_size=4,
+                                     others_drafts=6), round_s=0.05))
+        cost.observe_pooled("draft", 2, 1)
+    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
+    sts = [state() for _ in rows]
+
+    def run(batch_rounds: int) -> list[Plan]:
+        plans = []
+        for _ in range(batch_rounds):
+            for policy, st in zip(rows, sts, strict=True):
+                plan = policy.choose(st)
+                took = 0.05 if plan.proposer == "ngram" else 0.07
+                o = outcome(plan, min(plan.k, 2), batch_size=4, others_drafts=3 * plan.k)
+                policy.observe(st, replace(o, round_s=took))
+            plans.append(plan)
+        return plans
+
+    def tries(plans: list[Plan]) -> int:
+        return sum(p.proposer == "draft" and p.reason == "explore"
+                   and (i == 0 or plans[i - 1].proposer != "draft")
+                   for i, p in enumerate(plans))
+
+    assert tries(run(2 * pol.TRY_AFTER)) == 0  # the same requests: its estimate is theirs
+    assert not cost.stale("draft")
+    for _ in range(4):  # a batch's worth of new requests
+        cost.started()
+    assert cost.stale("draft")
+    plans = run(2 * pol.TRY_AFTER)
+    assert tries(plans) == 1 and not cost.stale("draft") and not cost.stale("ngram")
+    assert all(p.proposer == "ngram" for p in plans[-pol.TRY_AFTER:])
+
+
 def test_a_plan_left_in_a_burst_is_measured_again_and_taken_back():
     """A burst of arrivals (their prefills in the target's and the drafter's steps) puts a
     batch's rounds at 2-5x for a second or two, and a plan's measured time (the mean of its
