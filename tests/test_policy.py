@@ -1530,6 +1530,38 @@ def test_a_batch_tries_the_other_proposer_never_measured_near_a_held_load():
     assert explored >= 3  # (the others: taken on the model's word, seed 2 for good)
 
 
+def _lookup_batch_beside_a_measured_draft_plan(observed: bool = False):
+    """A batch of four rows on lookup k = 3 whose draft model's k = 2 was measured at its
+    load at 50 ms a round (``observed``: its pooled acceptance observed then too), with the
+    same acceptance for both proposers; its lookup rounds take 50 ms, its draft rounds 70.
+    Returns the cost model and a function that runs n batch rounds (their plans)."""
+    cost = seeded(0.0002)
+    cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("ngram", 3)
+    cost.lookup_match = 0.9
+    for p in ("draft", "ngram"):
+        cost.pooled[p].alpha = [0.7] * len(cost.pooled[p].alpha)
+    for _ in range(3 * 4):  # the draft model's k = 2, three batch rounds at this load
+        cost.observe(replace(outcome(Plan("draft", 2, "goodput"), 1, batch_size=4,
+                                     others_drafts=6), round_s=0.05))
+        if observed:
+            cost.observe_pooled("draft", 2, 1)
+    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
+    sts = [state() for _ in rows]
+
+    def run(batch_rounds: int) -> list[Plan]:
+        plans = []
+        for _ in range(batch_rounds):
+            for policy, st in zip(rows, sts, strict=True):
+                plan = policy.choose(st)
+                took = 0.05 if plan.proposer == "ngram" else 0.07
+                o = outcome(plan, min(plan.k, 2), batch_size=4, others_drafts=3 * plan.k)
+                policy.observe(st, replace(o, round_s=took))
+            plans.append(plan)
+        return plans
+
+    return cost, run
+
+
 def test_a_batch_tries_the_other_proposer_at_a_load_not_at_every_k():
     """Once one of the other proposer's plans was measured near the load, the batch does not
     try that proposer again at each k it climbs to: the measured plan's ratio to the model
@@ -1540,24 +1572,8 @@ def test_a_batch_tries_the_other_proposer_at_a_load_not_at_every_k():
     the draft model's k = 3 (whose rounds would take 70 ms)."""
     import specserve.policy as pol
 
-    cost = seeded(0.0002)
-    cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("ngram", 3)
-    cost.lookup_match = 0.9
-    for p in ("draft", "ngram"):
-        cost.pooled[p].alpha = [0.7] * len(cost.pooled[p].alpha)
-    for _ in range(3 * 4):  # the draft model's k = 2, three batch rounds at this load
-        cost.observe(replace(outcome(Plan("draft", 2, "goodput"), 1, batch_size=4,
-                                     others_drafts=6), round_s=0.05))
-    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
-    sts = [state() for _ in rows]
-    plans = []
-    for _ in range(2 * pol.TRY_AFTER):  # batch rounds
-        for policy, st in zip(rows, sts, strict=True):
-            plan = policy.choose(st)
-            took = 0.05 if plan.proposer == "ngram" else 0.07
-            o = outcome(plan, min(plan.k, 2), batch_size=4, others_drafts=3 * plan.k)
-            policy.observe(st, replace(o, round_s=took))
-        plans.append(plan)
+    _, run = _lookup_batch_beside_a_measured_draft_plan()
+    plans = run(2 * pol.TRY_AFTER)
     assert sum(p.proposer == "ngram" for p in plans) >= len(plans) - 1
     assert not any(p.proposer == "draft" and p.reason == "explore" for p in plans)
 
@@ -1574,28 +1590,7 @@ def test_a_batch_tries_the_other_proposer_again_once_its_acceptance_is_another_b
     are dearer than the lookup's for the same tokens: one try, and back to the lookup."""
     import specserve.policy as pol
 
-    cost = seeded(0.0002)
-    cost.rows, cost.load, cost.batch_plan = 4, 4.0, ("ngram", 3)
-    cost.lookup_match = 0.9
-    for p in ("draft", "ngram"):
-        cost.pooled[p].alpha = [0.7] * len(cost.pooled[p].alpha)
-    for _ in range(3 * 4):  # the draft model's k = 2 measured at this load, and observed
-        cost.observe(replace(outcome(Plan("draft", 2, "goodput"), 1, batch_size=4,
-                                     others_drafts=6), round_s=0.05))
-        cost.observe_pooled("draft", 2, 1)
-    rows = [GoodputPolicy(cost, K, has_drafter=True) for _ in range(4)]
-    sts = [state() for _ in rows]
-
-    def run(batch_rounds: int) -> list[Plan]:
-        plans = []
-        for _ in range(batch_rounds):
-            for policy, st in zip(rows, sts, strict=True):
-                plan = policy.choose(st)
-                took = 0.05 if plan.proposer == "ngram" else 0.07
-                o = outcome(plan, min(plan.k, 2), batch_size=4, others_drafts=3 * plan.k)
-                policy.observe(st, replace(o, round_s=took))
-            plans.append(plan)
-        return plans
+    cost, run = _lookup_batch_beside_a_measured_draft_plan(observed=True)
 
     def tries(plans: list[Plan]) -> int:
         return sum(p.proposer == "draft" and p.reason == "explore"
