@@ -1582,12 +1582,13 @@ def test_a_batch_tries_the_other_proposer_again_once_its_acceptance_is_another_b
     """The draft model's pooled acceptance is observed only where a batch drafts with it (the
     lookup's, by every row's searches, whatever the batch runs). A batch that carried the
     lookup from prose into repetitive text at c=4 kept the draft model's estimate from the
-    prose rows: it scored draft:2 at 1.96 tokens a round where its rounds made 2.17 (and
-    draft:3 2.66), never tried it, and ran the lookup for 75-85 % of the level (0.83-0.96x
-    ``draft_k2``). Once a batch's worth of requests has started since the draft model's
-    estimate was last observed (``CostModel.stale``), the batch tries it at the running k
-    (scored within ``TRY_FLOOR``), measured again; its rounds then decide. Here its rounds
-    are dearer than the lookup's for the same tokens: one try, and back to the lookup."""
+    prose rows: it scored draft:2 at 1.96 tokens a round where ``draft_k2``'s rounds made
+    2.17 (and its own draft:3 2.66), never tried it, and ran the lookup for 84-99 % of the
+    level (0.85-0.96x ``draft_k2``). Once a batch's worth of requests has started since
+    the draft model's estimate was last observed (``CostModel.stale``), the batch tries it
+    at the running k (scored within ``TRY_FLOOR``), measured again; its rounds then decide.
+    Here its rounds are dearer than the lookup's for the same tokens: one try, and back to
+    the lookup."""
     import specserve.policy as pol
 
     cost, run = _lookup_batch_beside_a_measured_draft_plan(observed=True)
