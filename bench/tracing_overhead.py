@@ -191,7 +191,6 @@ def _service_main(args: argparse.Namespace, port: int) -> dict:
     """``--service``: the real service on a local Ray cluster, two identical apps: "specserve"
     (tracing off) and "specserve-traced" (every replica exports OTLP to the receiver);
     trials alternate between them, driven through the SDK."""
-    import socket
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -201,10 +200,9 @@ def _service_main(args: argparse.Namespace, port: int) -> dict:
     from deployments.local import start_local
     from specserve.client import Client
     from specserve.models.corpus import heldout_prompts
+    from specserve.ports import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        grpc_port = sock.getsockname()[1]
+    grpc_port = free_port()
     models = {"target": args.target, "drafter": args.drafter}
     svc = start_local(models, port=grpc_port, num_cpus=4)
     apps = {"off": "specserve", "on": "specserve-traced"}

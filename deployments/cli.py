@@ -6,7 +6,6 @@ through the ``specserve.commands`` entry point, because they import the service 
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from specserve.cli import (
     stream_to,
     summary_line,
 )
+from specserve.ports import free_port
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -34,9 +34,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     port = args.port
     if port == 0:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
     print("[specserve] starting a local Ray cluster with the Router, Drafter and Target "
           "deployments (built-in pair, embedded Redis) ...", file=sys.stderr)
     t0 = time.perf_counter()

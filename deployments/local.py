@@ -16,12 +16,12 @@ internal port.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass
 
 from deployments.config import AppConfig
+from specserve.ports import free_port
 
 APP_NAME = "specserve"
 SERVICER_FUNCTIONS = [
@@ -84,12 +84,6 @@ def start_embedded_redis() -> tuple[str, object]:
     return f"unix://{server.socket_file}", server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_ray(num_cpus: float | None = None, metrics_port: int | None = None,
              max_message_bytes: int | None = None) -> int:
     """Start a local Ray cluster (unless one is up); returns its Prometheus metrics port.
@@ -104,7 +98,7 @@ def init_ray(num_cpus: float | None = None, metrics_port: int | None = None,
     env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
     # tracing is configured the standard way: the caller's OTEL_* reach every replica
     env.update({k: v for k, v in os.environ.items() if k.startswith("OTEL_")})
-    port = metrics_port or _free_port()
+    port = metrics_port or free_port()
     ray.init(
         num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
         _temp_dir=tempfile.mkdtemp(prefix="specserve-ray-"), log_to_driver=False,
@@ -142,8 +136,8 @@ def start_local(config: dict | AppConfig | None = None, port: int = 9000,
     sec = cfg.security
     metrics_port = init_ray(num_cpus, max_message_bytes=sec.max_message_bytes)
     _exit_cleanly_on_sigterm()
-    proxy_port = _free_port() if sec.tls_cert else port
-    http_port = http_port or _free_port()
+    proxy_port = free_port() if sec.tls_cert else port
+    http_port = http_port or free_port()
     serve.start(
         http_options={"host": "127.0.0.1", "port": http_port},
         grpc_options={"port": proxy_port, "grpc_servicer_functions": SERVICER_FUNCTIONS},

@@ -27,13 +27,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from specserve.ports import free_port
 
 HEAD_TYPE = "ray.head.default"
 NS_ENV = "SPECSERVE_PRIVATE_NS"  # set inside the namespaces in_private_namespaces makes
@@ -46,12 +47,6 @@ POOL_NODE_TYPES: dict[str, dict] = {
 POOL_RESOURCES = {"drafter": {"drafter_pool": 1.0}, "target": {"target_pool": 1.0}}
 # per fake node: a small object store (the default, 30% of RAM, is per node)
 NODE_OBJECT_STORE_BYTES = 100 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def autoscaling_config(node_types: Mapping[str, dict], head_resources: Mapping[str, float],

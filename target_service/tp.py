@@ -30,7 +30,6 @@ import asyncio
 import datetime
 import logging
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from specserve.engine.target import Admission, TargetEngine, VerifyItem, VerifyOutcome
+from specserve.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,6 @@ def check_model_tp(model: str, tp_size: int) -> None:
     from specserve.models.load import resolve_model
 
     validate_tp(AutoConfig.from_pretrained(resolve_model(model)), tp_size, model)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------ one rank

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
+
+from specserve.ports import free_port
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -60,12 +61,6 @@ def heldout():
     from specserve.models.corpus import heldout_prompts
 
     return heldout_prompts(n=20)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

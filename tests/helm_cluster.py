@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specserve.ports import free_port
+
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def ray_env() -> dict[str, str]:

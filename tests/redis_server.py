@@ -4,12 +4,13 @@ uses it). Real Redis: a missing binary fails the test with what to install, neve
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from specserve.ports import free_port
 
 
 class RedisServer:
@@ -18,9 +19,7 @@ class RedisServer:
         if exe is None:
             pytest.fail("redis-server not found: install it (Debian: apt-get install "
                         "redis-server); these tests need a real Redis they may restart")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.exe, self.tmp, self.extra = exe, tmp, extra
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.start()

@@ -20,7 +20,6 @@ step, no transport), after the service stopped, with the target replica's torch 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from tqdm import tqdm
 from specserve.bench.analysis import plan_mix
 from specserve.client import Client, SpecServeError
 from specserve.models.corpus import heldout_prompts
+from specserve.ports import free_port
 
 
 def _pct(values, q) -> float:
@@ -233,12 +233,6 @@ def _sum_lists(lists: list[list[int]]) -> list[int]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _single_process(target: str, drafter: str, prompts: list[str], ks: list[int],
                     max_tokens: int) -> dict:
     from specserve.api import GenerationRequest
@@ -273,7 +267,7 @@ def run_service_bench(
     router_stats = None
     if callable(server):
         service = server({"models": {"target": target, "drafter": drafter},
-                          **(app_config or {})}, port=_free_port())
+                          **(app_config or {})}, port=free_port())
         server = service.grpc_address
         router_stats, reset = service.router_stats, service.reset_router_stats
     prompts = heldout_prompts(n=max(requests_per_level, max(concurrency)))

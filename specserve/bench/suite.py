@@ -33,9 +33,10 @@ from specserve.bench.analysis import (
     run_noise,
     verdict,
 )
-from specserve.bench.service import _free_port, _level, _one, _pct
+from specserve.bench.service import _level, _one, _pct
 from specserve.bench.workloads import Prompt, WorkloadError, builtin_workloads
 from specserve.client import Client, SpecServeError
+from specserve.ports import free_port
 
 
 def _configs(ks: list[int], ngram_k: int) -> list[tuple[str, dict]]:
@@ -167,7 +168,7 @@ def run_suite(server: str | Callable[..., Any], target: str, drafter: str, level
     service = None
     if callable(server):  # a local service starter (``deployments.local.start_local``)
         service = server({"models": {"target": target, "drafter": drafter},
-                          **(app_config or {})}, port=_free_port())
+                          **(app_config or {})}, port=free_port())
         server = service.grpc_address
     n_req = {c: max(requests_per_level, 2 * c) for c in levels}
     total = sum(n_req.values()) * len(configs) * len(classes) * repeats
