@@ -139,7 +139,8 @@ class TargetDeployment:
             max_message_bytes=sec.max_internal_message_bytes, max_batch=cfg.target.max_batch,
             batch_wait_s=cfg.target.batch_wait_ms / 1000, prometheus=TargetBatchMetrics(),
             max_queue=cfg.target.max_queue, idle_s=cfg.target.session_idle_s,
-            admit_wait_s=cfg.target.admit_wait_s, prefill_chunk=cfg.target.prefill_chunk)
+            admit_wait_s=cfg.target.admit_wait_s, prefill_chunk=cfg.target.prefill_chunk,
+            prefill_budget=cfg.target.prefill_budget)
         self.address = f"{host}:{port}"
         self.busy = BusyMeter(lambda: self.servicer.metrics.compute_s)
         self.cost_profile = await _profiled(self.engine, "target")

@@ -201,6 +201,13 @@ class TargetOptions(BaseModel):
                                       "prefill, a rebuild) feeds this many a step, so an "
                                       "arrival adds at most this to their step (null: the "
                                       "whole prompt in one step)")
+    prefill_budget: int | None = Field(512, ge=16, le=1 << 20, description="prefill tokens "
+                                       "(rows with more than prefill_chunk to feed) one step "
+                                       "feeds at most, all rows together, first come first "
+                                       "served: a row past it feeds the rest or waits a step; "
+                                       "so a burst's first prompts answer while later ones "
+                                       "still prefill (null: no cap; needs prefill_chunk, "
+                                       "at least it)")
     tp_timeout_s: float = Field(30.0, gt=0, le=3600, description="collective timeout of a "
                                 "tensor-parallel group: a rank silent this long fails the group")
     tp_heartbeat_s: float = Field(2.0, gt=0, le=60, description="idle tensor-parallel groups "
@@ -216,6 +223,15 @@ class TargetOptions(BaseModel):
                                   "greedy rows share one forward either way; false: one "
                                   "padded forward for the batch (faster, last-bit differences "
                                   "between batch mixes)")
+
+    @model_validator(mode="after")
+    def _budget_holds_a_chunk(self) -> TargetOptions:
+        if self.prefill_budget is not None and (self.prefill_chunk is None
+                                                or self.prefill_budget < self.prefill_chunk):
+            raise ValueError(
+                f"target.prefill_budget ({self.prefill_budget}) must be at least "
+                f"target.prefill_chunk ({self.prefill_chunk}); set it to null without chunks")
+        return self
 
     def threads(self) -> int:
         return _threads(self.torch_threads, self.scaling)

@@ -71,9 +71,9 @@ class TargetServicer(pb_grpc.TargetServicer):
     def __init__(self, engine: TargetEngine, replica: str, max_batch: int = 32,
                  batch_wait_s: float = 0.05, prometheus: TargetBatchMetrics | None = None,
                  max_queue: int = 1024, idle_s: float = 10.0, admit_wait_s: float = 20.0,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, prefill_budget: int | None = None):
         self.engine = engine
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.replica = replica
         self.max_batch = max_batch
         self.scheduler = StepScheduler(max_wait_s=batch_wait_s)
@@ -90,7 +90,8 @@ class TargetServicer(pb_grpc.TargetServicer):
         self.kv = {"waited": 0, "preempted": 0}  # rows that waited; sessions preempted
         self._streams = itertools.count(1)
         self._carried: list[_Row] = []  # rows whose prefill goes on in the next step
-        self.chunks = 0  # prefill chunks run (steps a row's prefill was split over, less 1)
+        # steps a row's prefill went on into (a chunk fed, or waiting for the step's budget)
+        self.chunks = 0
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -221,7 +222,8 @@ class TargetServicer(pb_grpc.TargetServicer):
                 self.sessions.busy = True
                 try:
                     results = await asyncio.to_thread(self.engine.verify, items,
-                                                      self.prefill_chunk)
+                                                      self.prefill_chunk,
+                                                      self.prefill_budget)
                 finally:
                     self.sessions.busy = False
                     self.sessions.apply()

@@ -131,8 +131,8 @@ def _apply(engine: TargetEngine, op: _Op) -> list[VerifyOutcome] | None:
     for sid in releases:
         engine.release(sid)
     if kind == "verify":
-        items, chunk = payload
-        return engine.verify(items, chunk)
+        items, chunk, budget = payload
+        return engine.verify(items, chunk, budget)
     return None
 
 
@@ -224,10 +224,11 @@ class TPTargetEngine:
         with self._rel_lock:  # every rank holds rank 0's sessions, less the pending releases
             return self.engine.admission(items, overdue, frozenset(self._releases))
 
-    def verify(self, items: list[VerifyItem],
-               prefill_chunk: int | None = None) -> list[VerifyOutcome]:
+    def verify(self, items: list[VerifyItem], prefill_chunk: int | None = None,
+               prefill_budget: int | None = None) -> list[VerifyOutcome]:
         with self._lock:
-            result = self._run(("verify", self._take_releases(), (items, prefill_chunk)))
+            result = self._run(("verify", self._take_releases(),
+                                (items, prefill_chunk, prefill_budget)))
         assert result is not None
         return result
 

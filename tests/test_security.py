@@ -66,7 +66,7 @@ class _FakeTarget:
     def validate(self, item):
         pass
 
-    def verify(self, items, prefill_chunk=None):
+    def verify(self, items, prefill_chunk=None, prefill_budget=None):
         from specserve.contract import VerifyOutcome
 
         time.sleep(self.delay)

@@ -11,7 +11,8 @@ import torch
 
 from specserve.contract import VerifyItem
 from specserve.core.sampling import SamplingParams
-from specserve.engine.target import TargetEngine
+from specserve.engine import target as target_module
+from specserve.engine.target import TargetEngine, _feeds
 
 
 def _plain_logits(model, tokens: list[int], k: int) -> torch.Tensor:
@@ -33,12 +34,14 @@ def _capture(engine: TargetEngine) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("chunk", [None, 16])
-def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair, chunk):
+@pytest.mark.parametrize(("chunk", "budget"), [(None, None), (16, None), (16, 24)])
+def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair, monkeypatch, chunk,
+                                                       budget):
     """With ``prefill_chunk``, a row with more than a chunk to feed feeds one chunk a step
     and answers ``pending``; it comes back in the next step beside the others (as the
     target service carries it) until its verdict, whose logits are still the plain
-    forward's and whose repair record covers the whole call."""
+    forward's and whose repair record covers the whole call. With ``prefill_budget`` the
+    prefills of a step feed that many tokens at most, and a row past it waits unfed."""
     model = builtin_pair.target
     vocab = int(model.config.vocab_size)
     rnd = random.Random(3)
@@ -54,6 +57,10 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair, chunk):
     forward = engine._forward
     engine._forward = lambda rows: (catch_up.append(  # per forward, each row's
         [len(r.feed) - len(r.item.draft_tokens) for r in rows]), forward(rows))[1]
+    steps = []  # per call: each row's catch-up and what it fed (``_feeds``)
+    feeds = target_module._feeds
+    monkeypatch.setattr(target_module, "_feeds", lambda needs, *a: (
+        steps.append((needs, feeds(needs, *a))), steps[-1][1])[1])
     seqs: dict[str, list[int]] = {}
     windows: dict[str, int] = {}
     carried: list[VerifyItem] = []
@@ -79,7 +86,7 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair, chunk):
             toks = seqs[sid]
             items.append(VerifyItem(sid, len(toks), windows[sid], toks[windows[sid]:], drafts,
                                     None, SamplingParams()))
-        outs = engine.verify(items, chunk)
+        outs = engine.verify(items, chunk, budget)
         carried = [it for it, out in zip(items, outs, strict=True) if out.pending]
         pending += len(carried)
         for it, out in zip(items, outs, strict=True):
@@ -105,6 +112,29 @@ def test_pool_rows_equal_plain_forward_under_slot_churn(builtin_pair, chunk):
         assert pending == 0 and max(beside) > 16
     else:  # beside decoding rows a chunk at most (a prompt alone is fed whole)
         assert pending > 5 and max(beside) == chunk
+    prefill = [sum(f for n, f in zip(needs, fed, strict=True) if n > (chunk or n))
+               for needs, fed in steps]
+    waited = sum(f == 0 for _, fed in steps for f in fed)
+    if budget is None:
+        assert waited == 0
+    else:  # every step's prefills within the budget; some row waited a step for it
+        assert max(prefill) == budget and waited > 0
+
+
+def test_a_steps_prefills_share_its_budget_first_come_first_served():
+    """``_feeds``: what each row feeds of what it has to catch up, with chunk 64."""
+    # no budget: today's rule (whole prompts with nobody decoding, a chunk beside a decoder)
+    assert _feeds([300, 150], [False, False], 64, None) == [300, 150]
+    assert _feeds([3, 300, 150], [False] * 3, 64, None) == [3, 64, 64]
+    assert _feeds([300, 150], [False, False], None, 512) == [300, 150]  # no chunks: whole
+    # a burst with nobody decoding: the first prompts whole, the next one's start, then wait
+    assert _feeds([200, 150, 300, 100], [False] * 4, 64, 512) == [200, 150, 162, 0]
+    assert _feeds([900, 100], [False, False], 64, 512) == [512, 0]  # the first always feeds
+    # beside a decoder: a chunk each, within the budget; the decoder's own tokens are free
+    assert _feeds([3, 300, 150, 90], [False] * 4, 64, 128) == [3, 64, 64, 0]
+    # a batch-invariant sampled row: exactly a chunk or nothing (its bounds never move)
+    assert _feeds([100, 300], [False, True], 64, 128) == [100, 0]
+    assert _feeds([300, 100], [True, False], 64, 128) == [64, 64]
 
 
 def test_unused_pool_entries_never_reach_a_row(builtin_pair):
@@ -439,6 +469,60 @@ def test_the_target_server_runs_a_long_prefill_in_chunks_beside_decoding_rows(bu
             assert (verdict.repair.kept, verdict.repair.fed) == (0, 70)
             assert servicer.chunks == 1  # 16 beside a; the other 54 and the drafts alone
             assert servicer.queued == 0 and engine.misses == 0
+            await close()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_the_target_server_feeds_a_burst_of_prompts_within_the_step_budget(builtin_pair):
+    """Through gRPC with ``prefill_chunk=16, prefill_budget=32``: three prompts (20, 30 and
+    25 tokens) that arrive in one message, with nothing decoding, are fed 32 tokens a step,
+    first come first served. The first is answered after one step, the second after two,
+    the third after three (it waits unfed in the first), each with its unchunked verdict."""
+    import asyncio
+
+    from specserve.proto_gen.specserve.v1 import internal_pb2 as pb
+    from target_service.server import start_target_server
+
+    prompts = {f"p{n}": [3 + (5 * i + n) % 60 for i in range(n)] for n in (20, 30, 25)}
+    refs = {sid: TargetEngine(builtin_pair.target).verify(
+        [VerifyItem(sid, len(p), 0, p, [5, 6], None, SamplingParams())])[0]
+        for sid, p in prompts.items()}
+    engine = TargetEngine(builtin_pair.target)
+    steps: list[list[bool]] = []  # per step, each row's pending
+    verify = engine.verify
+
+    def recorded(items, *args):
+        out = verify(items, *args)
+        steps.append([o.pending for o in out])
+        return out
+
+    engine.verify = recorded
+
+    async def main():
+        server, port, servicer = await start_target_server(
+            engine, "127.0.0.1", 0, "t", batch_wait_s=0.0, prefill_chunk=16,
+            prefill_budget=32)
+        send, nxt, close = _verify_stream(port)
+        try:
+            await send([pb.VerifyRequest(call_id=i, session_id=sid, committed_len=len(p),
+                                         tokens=p, draft_tokens=[5, 6],
+                                         sampling=pb.Sampling(top_p=1.0))
+                         for i, (sid, p) in enumerate(prompts.items())])
+            got = []
+            while len(got) < 3:
+                got.extend(await nxt())
+            assert [r.call_id for r in got] == [0, 1, 2]
+            for r, ref in zip(got, refs.values(), strict=True):
+                assert not r.error and not r.cache_miss
+                assert (r.num_accepted, r.extra_token, r.bonus) == \
+                    (ref.num_accepted, ref.extra_token, ref.bonus)
+            assert [(r.repair.kept, r.repair.fed) for r in got] == [(0, 20), (0, 30), (0, 25)]
+            # 20 + 12; the 18 left + 14 (the third waited); the third's last 11 and drafts
+            assert steps == [[False, True, True], [False, True], [False]]
+            assert servicer.chunks == 3 and engine.misses == 0
             await close()
         finally:
             await server.stop(0)

@@ -257,6 +257,29 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return (out[0] if len(out) == 1 else torch.cat(out))[None], None
 
 
+def _feeds(needs: list[int], alone: list[bool], chunk: int | None,
+           budget: int | None) -> list[int]:
+    """Committed tokens each row feeds this step, of the ``needs`` it has to catch up (0:
+    it waits). A row with at most ``chunk`` to feed decodes and feeds all of it. A prefill
+    feeds at most ``chunk`` beside such a row (or when ``alone``: then exactly a chunk or
+    nothing, so its chunks' bounds never depend on the batch), and the prefills together at
+    most ``budget``, first come first served; the first always feeds."""
+    if chunk is None:
+        return list(needs)
+    decoding = any(n <= chunk for n in needs)
+    left = budget if budget is not None else sum(needs)
+    out = []
+    for n, one in zip(needs, alone, strict=True):
+        if n <= chunk:
+            out.append(n)
+            continue
+        want = min(n, chunk) if decoding or one else n
+        give = want if left >= want else 0 if one else left
+        out.append(give)
+        left -= give
+    return out
+
+
 @dataclass
 class _Run:
     """Consecutive rows of a packed step (pool order) whose attention is one padded call:
@@ -476,26 +499,35 @@ class TargetEngine(LRUSessions):
 
     # ----------------------------------------------------------------- verify
     @torch.inference_mode()
-    def verify(self, items: list[VerifyItem],
-               prefill_chunk: int | None = None) -> list[VerifyOutcome]:
+    def verify(self, items: list[VerifyItem], prefill_chunk: int | None = None,
+               prefill_budget: int | None = None) -> list[VerifyOutcome]:
         """Verify every item's drafts; ONE model forward for all rows that are not misses.
 
         ``prefill_chunk``: a row with more committed tokens to feed than this (a prefill, a
-        rebuild after a loss) feeds only the next ``prefill_chunk`` of them and answers
-        ``pending``: the caller sends the same item again in a later call, which goes on
-        from there (the cache holds the chunk). One arrival's prefill then adds at most a
-        chunk to a step of decoding rows instead of stalling it for the whole prompt
-        (Sarathi's chunked prefill). Only beside a decoding row (one sent at most a chunk of
-        tokens): with nobody to stall, a prompt is fed whole (chunks there cost a lone
+        rebuild after a loss) may feed only a part of them and answer ``pending``: the
+        caller sends the same item again in a later call, which goes on from there (the
+        cache holds the part). Beside a decoding row (one with at most a chunk to feed) such
+        a row feeds at most ``prefill_chunk`` a step, so one arrival's prefill adds at most a
+        chunk to their step instead of stalling it for the whole prompt (Sarathi's chunked
+        prefill); with nobody to stall, a prompt is fed whole (chunks there cost a lone
         request's first token 1.2-1.6x). A sampled row with ``batch_invariant`` is chunked
-        either way, so its cache's bits do not depend on the rest of the batch."""
+        either way, so its cache's bits do not depend on the rest of the batch.
+
+        ``prefill_budget`` (with ``prefill_chunk``, at least it): the prefill tokens one step
+        feeds at most, all such rows together, first come first served (``_feeds``). A row
+        past the budget feeds what is left of it or waits, unfed (``pending``). A burst of
+        arrivals then has its prompts fed a few at a time, so the first ones answer while the
+        rest still prefill, in steps of the size the CPU runs fastest per token, instead of
+        all of them answering after one step of every prompt."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_budget is not None and (prefill_chunk is None
+                                           or prefill_budget < prefill_chunk):
+            raise ValueError(f"prefill_budget ({prefill_budget}) needs a prefill_chunk and "
+                             f"must be >= it ({prefill_chunk})")
         self._check(items)
         outcomes: list[VerifyOutcome | None] = [None] * len(items)
-        rows: list[tuple[int, _Row]] = []
-        decoding = prefill_chunk is not None and any(
-            it.committed_len - it.tokens_start <= prefill_chunk for it in items)
+        planned: list[tuple[int, VerifyItem, _Session, list[int], int]] = []
         for idx, it in enumerate(items):
             sess = self._sessions.get(it.session_id)
             if it.tokens_start > 0 and (sess is None or len(sess.tokens) < it.tokens_start):
@@ -507,9 +539,15 @@ class TargetEngine(LRUSessions):
                 sess = _Session([], pool=self.pool, order=self._admitted)
                 self.pool.assign(sess)
                 self._sessions[it.session_id] = sess
-            alone = self.batch_invariant and not it.sampling.greedy
-            rows.append((idx, self._row(it, sess, prefill_chunk
-                                        if decoding or alone else None)))
+            committed = [*sess.tokens[: it.tokens_start], *it.tokens]
+            planned.append((idx, it, sess, committed, repair_plan(sess.tokens, committed).keep))
+        feeds = _feeds([len(c) - keep for *_, c, keep in planned],
+                       [self.batch_invariant and not it.sampling.greedy
+                        for _, it, *_ in planned], prefill_chunk, prefill_budget)
+        rows = [(idx, self._row(it, sess, committed, keep, feed))
+                for (idx, it, sess, committed, keep), feed in zip(planned, feeds, strict=True)
+                if feed]
+        waiting = [idx for (idx, *_), feed in zip(planned, feeds, strict=True) if not feed]
         if rows:
             live = [(i, r) for i, r in rows if not r.pending]
             logits = self._forward([r for _, r in rows])  # [B, K+1, V]
@@ -523,36 +561,35 @@ class TargetEngine(LRUSessions):
                 outcomes[idx] = VerifyOutcome(n, extra, bonus, False, row.repair, len(rows),
                                               logprobs=lp, batch_tokens=tokens,
                                               batch_fed=fed)
-            for idx, row in rows:
-                if row.pending:
-                    outcomes[idx] = VerifyOutcome(0, -1, False, batch_size=len(rows),
-                                                  batch_tokens=tokens, batch_fed=fed,
-                                                  pending=True)
+            for idx in [i for i, row in rows if row.pending] + waiting:
+                outcomes[idx] = VerifyOutcome(0, -1, False, batch_size=len(rows),
+                                              batch_tokens=tokens, batch_fed=fed,
+                                              pending=True)
+            for _, row in rows:
                 self._sessions.move_to_end(row.item.session_id)
-            self._evict({r.item.session_id for _, r in rows})
+            self._evict({items[i].session_id for i, _ in rows}
+                        | {items[i].session_id for i in waiting})
         return [o for o in outcomes if o is not None]
 
     @staticmethod
-    def _row(it: VerifyItem, sess: _Session, chunk: int | None) -> _Row:
-        """The row's cache repair and feed (committed[keep:] + drafts), or with ``chunk``
-        and more than that to catch up, its next chunk alone (no drafts: ``pending``)."""
-        committed = [*sess.tokens[: it.tokens_start], *it.tokens]
-        plan = repair_plan(sess.tokens, committed)
+    def _row(it: VerifyItem, sess: _Session, committed: list[int], keep: int,
+             feed: int) -> _Row:
+        """The row's cache repair and feed (committed[keep:] + drafts), or with ``feed``
+        short of that catch-up, its next ``feed`` tokens alone (no drafts: ``pending``)."""
         first = sess.chunked  # the call's first chunk's repair: the whole call's
-        repair = RepairRecord(len(sess.tokens), plan.keep, len(committed) - plan.keep) \
+        repair = RepairRecord(len(sess.tokens), keep, len(committed) - keep) \
             if first is None else RepairRecord(first.cached_before, first.kept,
                                                len(committed) - first.kept)
-        sess.length = min(sess.length, plan.keep)
-        sess.tokens = committed[: plan.keep]
-        if chunk is not None and len(committed) - plan.keep > chunk:
+        sess.length = min(sess.length, keep)
+        sess.tokens = committed[:keep]
+        if len(committed) - keep > feed:
             sess.chunked = repair
-            end = plan.keep + chunk
+            end = keep + feed
             part = replace(it, draft_tokens=[], draft_probs=None, logprobs=None)
-            return _Row(part, sess, committed[:end], committed[plan.keep : end], plan.keep,
-                        repair, pending=True)
+            return _Row(part, sess, committed[:end], committed[keep:end], keep, repair,
+                        pending=True)
         sess.chunked = None
-        return _Row(it, sess, committed, [*committed[plan.keep :], *it.draft_tokens],
-                    plan.keep, repair)
+        return _Row(it, sess, committed, [*committed[keep:], *it.draft_tokens], keep, repair)
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor:  # -> [B, K+1, V]
         """All rows' logits in one forward; with ``batch_invariant`` every sampled row is its
